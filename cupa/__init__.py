@@ -1,0 +1,7 @@
+"""cupa: PyTorch-free paged-attention decode for ROCm and CUDA GPUs, with a numpy fallback."""
+
+from .api import decode
+from .reference import paged_decode_reference
+
+__version__ = "0.1.0"
+__all__ = ["decode", "paged_decode_reference", "__version__"]

@@ -1,0 +1,106 @@
+"""Array kinds: numpy on the host, cupy on the device, and foreign device arrays taken zero-copy.
+
+cupy is imported lazily so that `import cupa` works on machines without cupy or without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_module():
+    """The cupy module, or None when cupy is not installed (or fails to import)."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a broken CUDA/ROCm install raising at import
+        return None
+    return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    """True when cupy imports and sees at least one device."""
+    cupy = cupy_module()
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_device_array(x) -> bool:
+    """cupy arrays and anything exposing the CUDA array interface (torch, numba, jax...)."""
+    if x is None or isinstance(x, np.ndarray):
+        return False
+    cupy = cupy_module()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return True
+    return hasattr(x, "__cuda_array_interface__") or (
+        hasattr(x, "__dlpack_device__") and _dlpack_on_gpu(x))
+
+
+def _dlpack_on_gpu(x) -> bool:
+    try:
+        device_type, _ = x.__dlpack_device__()
+    except Exception:
+        return False
+    return int(device_type) in (2, 10)  # kDLCUDA, kDLROCM
+
+
+def to_device(x):
+    """A cupy view of a device array (zero-copy) or an upload of a host array."""
+    if x is None:
+        return None
+    cupy = cupy_module()
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack_device__") and _dlpack_on_gpu(x):
+        return cupy.from_dlpack(x)
+    return cupy.asarray(np.asarray(x))
+
+
+def to_host(x):
+    """A numpy array of any input (device arrays are downloaded)."""
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        return x
+    if is_device_array(x):
+        return to_device(x).get()
+    return np.asarray(x)
+
+
+def like(template, result):
+    """Return `result` (numpy or cupy) as the same kind of array as `template`.
+
+    numpy in -> numpy out; cupy in -> cupy out; another library's device tensor -> that library's
+    tensor through DLPack when it offers `from_dlpack` (torch does), else the cupy array.
+    """
+    cupy = cupy_module()
+    if isinstance(template, np.ndarray) or not is_device_array(template):
+        return result.get() if cupy is not None and isinstance(result, cupy.ndarray) else result
+    if cupy is not None and isinstance(template, cupy.ndarray):
+        return result if isinstance(result, cupy.ndarray) else cupy.asarray(result)
+    import sys
+    library = sys.modules.get(type(template).__module__.split(".")[0])
+    from_dlpack = getattr(library, "from_dlpack", None)
+    device_result = result if isinstance(result, cupy.ndarray) else cupy.asarray(result)
+    return from_dlpack(device_result) if from_dlpack is not None else device_result
+
+
+def host_view(x):
+    """numpy array for shape/dtype checks without copying device data.
+
+    Device arrays are returned as cupy arrays (which expose shape, dtype and flags like numpy).
+    """
+    if isinstance(x, np.ndarray) or x is None:
+        return x
+    if is_device_array(x):
+        return to_device(x)
+    return np.asarray(x)

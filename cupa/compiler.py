@@ -1,0 +1,127 @@
+"""Compiling kernel variants: at run time through cupy.RawModule, and offline for CI.
+
+Run time: one RawModule per (device, variant), compiled on first use and kept for the process;
+cupy's own disk cache (keyed on source + options) makes later processes skip the compiler.
+
+Offline (`python -m cupa compile`): the same source and the same defines, for targets with no GPU
+present: NVRTC through cupy's bindings for sm_XX, and clang (-x hip --cuda-device-only -nogpulib)
+for gfxXXXX, which runs the whole AMDGPU back end down to ISA.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from . import variants
+from .arrays import cupy_module
+from .device import Target, device_info
+
+_modules: dict = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class DecodeKernels:
+    partition: object  # cupy RawKernel
+    reduce: object
+
+
+def decode_kernels(variant: variants.DecodeVariant, device_index: int | None = None):
+    """The compiled partition and reduce kernels of `variant` on a device (cached)."""
+    info = device_info(device_index)
+    key = (info.index, variant)
+    kernels = _modules.get(key)
+    if kernels is None:
+        with _lock:
+            kernels = _modules.get(key)
+            if kernels is None:
+                cupy = cupy_module()
+                module = cupy.RawModule(code=variants.module_source(variant),
+                                        options=info.target.runtime_options())
+                kernels = DecodeKernels(module.get_function(variant.partition_name),
+                                        module.get_function(variant.reduce_name))
+                _modules[key] = kernels
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compilation
+
+DEFAULT_TARGETS = ("sm_80", "sm_90", "gfx90a", "gfx942", "gfx1100", "gfx1201")
+
+
+class CompilerMissing(RuntimeError):
+    pass
+
+
+def hip_compiler() -> str | None:
+    """The clang able to compile HIP device code: $CUPA_HIP_CLANG, clang-19, then clang."""
+    for candidate in (os.environ.get("CUPA_HIP_CLANG"), "clang-19", "clang"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def hip_include_dir() -> str | None:
+    """Directory holding hip/hip_runtime.h (Debian's libamdhip64-dev, or a ROCm install)."""
+    for root in (os.environ.get("CUPA_HIP_INCLUDE"), "/usr/include", "/opt/rocm/include"):
+        if root and os.path.exists(os.path.join(root, "hip", "hip_runtime.h")):
+            return root
+    return None
+
+
+def _compile_nvrtc(source: str, name: str, target: Target) -> int:
+    cupy = cupy_module()
+    if cupy is None:
+        raise CompilerMissing("cupy is not installed (needed for NVRTC)")
+    from cupy.cuda import nvrtc
+    try:
+        program = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    except Exception as exc:  # libnvrtc missing
+        raise CompilerMissing(f"NVRTC unavailable: {exc}") from exc
+    options = list(target.defines()) + ["--std=c++17", f"--gpu-architecture={target.arch}"]
+    try:
+        nvrtc.compileProgram(program, options)
+    except nvrtc.NVRTCError as exc:
+        log = nvrtc.getProgramLog(program)
+        raise RuntimeError(f"NVRTC failed for {name} on {target.arch}:\n{log}") from exc
+    finally:
+        pass
+    size = len(nvrtc.getCUBIN(program))
+    nvrtc.destroyProgram(program)
+    return size
+
+
+def _compile_clang_hip(source: str, name: str, target: Target) -> int:
+    clang = hip_compiler()
+    include = hip_include_dir()
+    if clang is None:
+        raise CompilerMissing("no clang found for HIP (apt-get install clang-19)")
+    if include is None:
+        raise CompilerMissing("hip/hip_runtime.h not found (apt-get install libamdhip64-dev)")
+    with tempfile.TemporaryDirectory(prefix="cupa-hip-") as tmp:
+        src = os.path.join(tmp, f"{name}.hip")
+        asm = os.path.join(tmp, f"{name}.s")
+        with open(src, "w") as f:
+            f.write('#include <hip/hip_runtime.h>\n' + source)
+        cmd = [clang, "-x", "hip", "--cuda-device-only", "-nogpulib", "-nogpuinc",
+               f"--offload-arch={target.arch}", "-std=c++17", "-O3", "-S", "-I", include,
+               "-D__HIP_PLATFORM_AMD__=1", *target.defines(), src, "-o", asm]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"clang failed for {name} on {target.arch}:\n{result.stderr}")
+        return os.path.getsize(asm)
+
+
+def compile_offline(variant: variants.DecodeVariant, arch: str) -> int:
+    """Compile one variant for `arch` without a GPU; returns the size of what was produced."""
+    target = Target(arch)
+    source = variants.module_source(variant)
+    if target.is_hip:
+        return _compile_clang_hip(source, variant.partition_name, target)
+    return _compile_nvrtc(source, variant.partition_name, target)

@@ -1,0 +1,73 @@
+"""What the current GPU is, and what a compile target needs: vendor, arch, warp size, options."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from . import variants
+from .arrays import cupy_module
+
+
+@dataclass(frozen=True)
+class Target:
+    """A compile target: 'sm_90', 'gfx942', ... Its warp size and vendor follow from the name."""
+
+    arch: str
+    warp: int | None = None  # set when the device reports a warp size the name rule would miss
+
+    @property
+    def is_hip(self) -> bool:
+        return self.arch.startswith("gfx")
+
+    @property
+    def warp_size(self) -> int:
+        if self.warp is not None:
+            return self.warp
+        # CDNA (gfx9xx: MI100/MI200/MI300) runs wave64; RDNA (gfx10+) is compiled wave32, which is
+        # hipRTC's default there. NVIDIA warps are 32.
+        return 64 if self.arch.startswith("gfx9") else 32
+
+    def defines(self) -> list[str]:
+        return [f"-DCUPA_WARP={self.warp_size}", f"-DCUPA_HIP={int(self.is_hip)}",
+                f"-DCUPA_THREADS={variants.THREADS}"]
+
+    def runtime_options(self) -> tuple[str, ...]:
+        """Options for cupy.RawModule on this target (cupy adds the arch itself)."""
+        if self.is_hip:
+            return tuple(self.defines() + ["-std=c++17", "-O3"])
+        return tuple(self.defines() + ["--std=c++17"])
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    target: Target
+    warp_size: int  # as the device reports it
+    multiprocessors: int
+    shared_memory_per_block: int
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(index: int | None = None) -> DeviceInfo:
+    """Facts about a cupy device (the current one by default). Raises if no GPU is usable."""
+    cupy = cupy_module()
+    if cupy is None:
+        raise RuntimeError("cupy is not installed: install cupa[cuda12], cupa[cuda13] or "
+                           "cupa[rocm], or use backend='numpy'")
+    if index is None:
+        index = cupy.cuda.Device().id
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    if cupy.cuda.runtime.is_hip:
+        arch = props["gcnArchName"]
+        arch = (arch.decode() if isinstance(arch, bytes) else str(arch)).split(":")[0]
+    else:
+        arch = f"sm_{props['major']}{props['minor']}"
+    warp = int(props.get("warpSize", Target(arch).warp_size))
+    target = Target(arch) if warp == Target(arch).warp_size else Target(arch, warp)
+    return DeviceInfo(index=index, name=name, target=target, warp_size=warp,
+                      multiprocessors=int(props["multiProcessorCount"]),
+                      shared_memory_per_block=int(props.get("sharedMemPerBlock", 48 * 1024)))
+

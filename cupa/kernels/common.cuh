@@ -1,0 +1,206 @@
+// Portable shims shared by every cupa kernel.
+//
+// One source must compile under NVRTC (CUDA), hipRTC (ROCm) and offline clang -x hip, none of
+// which may rely on standard headers here: hipRTC ships none, and NVRTC's differ between CUDA
+// versions. So: our own integer typedefs, 16-bit floats kept as raw bits, and every intrinsic that
+// differs between the two vendors wrapped once, below.
+//
+// The host injects:
+//   CUPA_WARP     threads per warp/wavefront (32 on NVIDIA and RDNA, 64 on CDNA). warpSize is
+//                 not a compile-time constant on ROCm 7, so we never use it.
+//   CUPA_HIP      1 when compiling for AMD, 0 for NVIDIA.
+//   CUPA_THREADS  threads per workgroup of the decode kernels.
+#pragma once
+
+#ifndef CUPA_WARP
+#error "CUPA_WARP must be defined by the host (32 on NVIDIA and RDNA, 64 on CDNA)"
+#endif
+#ifndef CUPA_HIP
+#error "CUPA_HIP must be defined by the host (1 for AMD targets, 0 for NVIDIA)"
+#endif
+#ifndef CUPA_THREADS
+#error "CUPA_THREADS must be defined by the host"
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define CUPA_FN __device__ inline __attribute__((always_inline))
+
+// Raw storage types. The kernels never do arithmetic in 16 bits: values are widened to float on
+// load and narrowed on store, so these are plain bit containers that both compilers accept.
+struct cupa_f16 { u16 bits; };
+struct cupa_bf16 { u16 bits; };
+
+// 16 bytes, the widest load a thread issues on both vendors.
+struct alignas(16) cupa_u32x4 { u32 x, y, z, w; };
+
+CUPA_FN float bits_to_float(u32 u) {
+#if CUPA_HIP
+    return __builtin_bit_cast(float, u);
+#else
+    return __uint_as_float(u);
+#endif
+}
+
+CUPA_FN u32 float_to_bits(float f) {
+#if CUPA_HIP
+    return __builtin_bit_cast(u32, f);
+#else
+    return __float_as_uint(f);
+#endif
+}
+
+CUPA_FN float neg_inf() { return bits_to_float(0xff800000u); }
+
+CUPA_FN float half_bits_to_float(u16 h) {
+#if CUPA_HIP
+    return (float)__builtin_bit_cast(_Float16, h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+CUPA_FN u16 float_to_half_bits(float f) {
+#if CUPA_HIP
+    return __builtin_bit_cast(u16, (_Float16)f);
+#else
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+
+CUPA_FN float bf16_bits_to_float(u32 b) { return bits_to_float(b << 16); }
+
+// Round to nearest even; NaN stays a (quiet) NaN instead of rounding into infinity.
+CUPA_FN u16 float_to_bf16_bits(float f) {
+    u32 u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// 2^x and log2(x) in hardware: the kernels keep logits in the log2 domain (pre-multiplied by
+// log2(e)) so the softmax needs one native instruction per element.
+CUPA_FN float fast_exp2(float x) {
+#if CUPA_HIP
+    return __builtin_exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+CUPA_FN float fast_log2(float x) {
+#if CUPA_HIP
+    return __builtin_log2f(x);
+#else
+    float y;
+    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+CUPA_FN float warp_xor(float v, int lane_mask) {
+#if CUPA_HIP
+    return __shfl_xor(v, lane_mask, CUPA_WARP);
+#else
+    return __shfl_xor_sync(0xffffffffu, v, lane_mask, CUPA_WARP);
+#endif
+}
+
+// No fmaxf: it is a library function on HIP, and logits are never NaN here.
+CUPA_FN float max_f(float a, float b) { return a > b ? a : b; }
+
+CUPA_FN float warp_max(float v) {
+#pragma unroll
+    for (int m = CUPA_WARP / 2; m > 0; m >>= 1) v = max_f(v, warp_xor(v, m));
+    return v;
+}
+
+CUPA_FN float warp_sum(float v) {
+#pragma unroll
+    for (int m = CUPA_WARP / 2; m > 0; m >>= 1) v += warp_xor(v, m);
+    return v;
+}
+
+// Element traits: how a storage type widens from a 16-byte vector and narrows back.
+template <typename T> struct Elem;
+
+template <> struct Elem<float> {
+    static constexpr int VEC = 4;  // elements per 16 bytes
+    CUPA_FN static void widen(const cupa_u32x4& r, float* f) {
+        f[0] = bits_to_float(r.x); f[1] = bits_to_float(r.y);
+        f[2] = bits_to_float(r.z); f[3] = bits_to_float(r.w);
+    }
+    CUPA_FN static cupa_u32x4 narrow(const float* f) {
+        cupa_u32x4 r;
+        r.x = float_to_bits(f[0]); r.y = float_to_bits(f[1]);
+        r.z = float_to_bits(f[2]); r.w = float_to_bits(f[3]);
+        return r;
+    }
+    CUPA_FN static float load(const float* p) { return *p; }
+    CUPA_FN static void store(float* p, float v) { *p = v; }
+};
+
+template <> struct Elem<cupa_f16> {
+    static constexpr int VEC = 8;
+    CUPA_FN static void widen_word(u32 w, float* f) {
+        f[0] = half_bits_to_float((u16)(w & 0xffffu));
+        f[1] = half_bits_to_float((u16)(w >> 16));
+    }
+    CUPA_FN static void widen(const cupa_u32x4& r, float* f) {
+        widen_word(r.x, f); widen_word(r.y, f + 2); widen_word(r.z, f + 4); widen_word(r.w, f + 6);
+    }
+    CUPA_FN static u32 narrow_word(float a, float b) {
+        return (u32)float_to_half_bits(a) | ((u32)float_to_half_bits(b) << 16);
+    }
+    CUPA_FN static cupa_u32x4 narrow(const float* f) {
+        cupa_u32x4 r;
+        r.x = narrow_word(f[0], f[1]); r.y = narrow_word(f[2], f[3]);
+        r.z = narrow_word(f[4], f[5]); r.w = narrow_word(f[6], f[7]);
+        return r;
+    }
+    CUPA_FN static float load(const cupa_f16* p) { return half_bits_to_float(p->bits); }
+    CUPA_FN static void store(cupa_f16* p, float v) { p->bits = float_to_half_bits(v); }
+};
+
+template <> struct Elem<cupa_bf16> {
+    static constexpr int VEC = 8;
+    CUPA_FN static void widen_word(u32 w, float* f) {
+        f[0] = bits_to_float(w << 16);
+        f[1] = bits_to_float(w & 0xffff0000u);
+    }
+    CUPA_FN static void widen(const cupa_u32x4& r, float* f) {
+        widen_word(r.x, f); widen_word(r.y, f + 2); widen_word(r.z, f + 4); widen_word(r.w, f + 6);
+    }
+    CUPA_FN static u32 narrow_word(float a, float b) {
+        return (u32)float_to_bf16_bits(a) | ((u32)float_to_bf16_bits(b) << 16);
+    }
+    CUPA_FN static cupa_u32x4 narrow(const float* f) {
+        cupa_u32x4 r;
+        r.x = narrow_word(f[0], f[1]); r.y = narrow_word(f[2], f[3]);
+        r.z = narrow_word(f[4], f[5]); r.w = narrow_word(f[6], f[7]);
+        return r;
+    }
+    CUPA_FN static float load(const cupa_bf16* p) { return bf16_bits_to_float(p->bits); }
+    CUPA_FN static void store(cupa_bf16* p, float v) { p->bits = float_to_bf16_bits(v); }
+};
+
+template <typename T>
+CUPA_FN cupa_u32x4 load16(const T* p) {
+    return *reinterpret_cast<const cupa_u32x4*>(p);
+}
+
+template <typename T>
+CUPA_FN void store16(T* p, const cupa_u32x4& v) {
+    *reinterpret_cast<cupa_u32x4*>(p) = v;
+}

@@ -1,0 +1,370 @@
+// Two-phase paged decode attention (portable path: CUDA cores / VALU, float32 accumulation).
+//
+// Phase 1, decode_partition: one workgroup per (query-head chunk of a KV head, partition, sequence).
+// It reads each K/V row of its partition once and applies it to every query head of the chunk
+// (GQA packing), keeping a running max and exp-sum per head (online softmax, log2 domain). With a
+// single partition it writes the final output; otherwise it writes float32 partials that
+// phase 2, decode_reduce, merges.
+//
+// Work inside phase 1 goes tile by tile (TILE = CUPA_THREADS tokens):
+//   1. QK: one thread per token, all heads of the chunk; the K row is read in 16-byte vectors and
+//      the (pre-scaled) queries come from shared memory as broadcasts.
+//   2. softmax update: one warp per head over the tile's logits in shared memory.
+//   3. PV: threads split as (16-byte column chunk) x (head slot) x (token lane); each V vector is
+//      read from global memory by the head slots sharing it (one coalesced request), and the
+//      token lanes are summed once per partition through shared memory.
+// Tokens at or past seq_len and tokens in blocks whose id is not in [0, num_blocks) are never
+// read: their logit is -inf and their V row is skipped, so garbage (even NaN) in unwritten cache
+// slots or table entries cannot reach the output.
+#include "common.cuh"
+
+namespace cupa {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// How the PV step spreads a tile over the workgroup, for storage type T, head size D and HT heads
+// per workgroup. Kept in one place so the kernel and its shared-memory sizes agree.
+template <typename T, int D, int HT>
+struct PvLayout {
+    static constexpr int VEC = Elem<T>::VEC;            // elements per 16-byte vector
+    static constexpr int CHUNKS = D / VEC;              // 16-byte vectors per row
+    static constexpr int ROWS = CUPA_THREADS / CHUNKS;  // threads available per column chunk
+    // Heads per thread: at least 2 (each V vector feeds two heads' FMAs) and enough that the head
+    // slots fit in ROWS.
+    static constexpr int HPT = cmin(HT, cmax(2, (HT + ROWS - 1) / ROWS));
+    static constexpr int SLOTS = HT / HPT;              // head slots
+    static constexpr int LANES = ROWS / SLOTS;          // token lanes, summed at partition end
+    static constexpr int ACTIVE = CHUNKS * SLOTS * LANES;
+    static_assert(D % VEC == 0, "head size must be a whole number of 16-byte vectors");
+    static_assert(HT % HPT == 0 && SLOTS <= ROWS && LANES >= 1, "bad PV layout");
+};
+
+template <typename T, int D, int HT>
+CUPA_FN void decode_partition(
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
+    float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query,
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,
+    const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,
+    i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,
+    i32 max_partitions, i32 head_chunks) {
+    typedef PvLayout<T, D, HT> L;
+    constexpr int TILE = CUPA_THREADS;
+    constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
+    constexpr int VEC = L::VEC;
+
+    __shared__ float q_s[HT][D];        // query * scale * log2(e)
+    __shared__ float p_s[HT][TILE];     // the tile's logits, then its probabilities
+    __shared__ i64 row_s[TILE];         // element offset of each token's K/V row, -1 if unreadable
+    __shared__ float m_s[HT], l_s[HT], corr_s[HT], slope_s[HT];
+    __shared__ float red_s[L::LANES > 1 ? L::LANES - 1 : 1][HT][D];
+
+    const int tid = threadIdx.x;
+    const int group = num_heads / num_kv_heads;
+    const int kv_head = blockIdx.x / head_chunks;
+    const int chunk = blockIdx.x % head_chunks;
+    const int head0 = kv_head * group + chunk * HT;
+    const int nh = cmin(HT, group - chunk * HT);  // active heads in this workgroup
+    const int part = blockIdx.y;
+    const int seq = blockIdx.z;
+    const bool single = max_partitions == 1;
+
+    int seq_len = seq_lens[seq];
+    seq_len = seq_len < 0 ? 0 : cmin(seq_len, max_blocks_per_seq * block_size);
+    const int start = part * partition_size;
+    if (start >= seq_len) {
+        // Only the single-partition launch owns the final output of an empty sequence; with
+        // several partitions, decode_reduce writes it.
+        if (single && part == 0) {
+            for (int i = tid; i < nh * D; i += CUPA_THREADS)
+                Elem<T>::store(out + ((i64)seq * num_heads + head0) * D + i, 0.0f);
+            if (lse != nullptr && tid < nh) lse[(i64)seq * num_heads + head0 + tid] = neg_inf();
+        }
+        return;
+    }
+    const int end = cmin(start + partition_size, seq_len);
+
+    const T* q_seq = query + ((i64)seq * num_heads + head0) * D;
+    for (int i = tid; i < HT * D; i += CUPA_THREADS) {
+        const int h = i / D;
+        q_s[h][i % D] = h < nh ? Elem<T>::load(q_seq + i) * (scale * LOG2E) : 0.0f;
+    }
+    if (tid < HT) {
+        m_s[tid] = neg_inf();
+        l_s[tid] = 0.0f;
+        slope_s[tid] = (alibi_slopes != nullptr && tid < nh) ? alibi_slopes[head0 + tid] * LOG2E
+                                                               : 0.0f;
+    }
+
+    const i32* table = block_tables + (i64)seq * max_blocks_per_seq;
+    const i64 head_offset = (i64)kv_head * block_size * D;
+    const i64 block_stride = (i64)num_kv_heads * block_size * D;
+
+    // PV role of this thread
+    const int pv_chunk = tid % L::CHUNKS;
+    const int pv_slot = (tid / L::CHUNKS) % L::SLOTS;
+    const int pv_lane = tid / (L::CHUNKS * L::SLOTS);
+    const bool pv_active = tid < L::ACTIVE;
+    float acc[L::HPT][VEC];
+#pragma unroll
+    for (int i = 0; i < L::HPT; ++i)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[i][v] = 0.0f;
+
+    __syncthreads();
+
+    for (int tile = start; tile < end; tile += TILE) {
+        // 1. QK: thread tid scores token tile + tid against every head of the chunk.
+        {
+            const int t = tile + tid;
+            i64 row = -1;
+            if (t < end) {
+                const int block = table[t / block_size];
+                if (block >= 0 && block < num_blocks)
+                    row = (i64)block * block_stride + head_offset + (i64)(t % block_size) * D;
+            }
+            row_s[tid] = row;
+            float logit[HT];
+#pragma unroll
+            for (int h = 0; h < HT; ++h) logit[h] = 0.0f;
+            if (row >= 0) {
+                const T* k_row = key_cache + row;
+#pragma unroll 4
+                for (int c = 0; c < L::CHUNKS; ++c) {
+                    float k[VEC];
+                    Elem<T>::widen(load16(k_row + c * VEC), k);
+#pragma unroll
+                    for (int h = 0; h < HT; ++h) {
+                        if (h < nh) {
+#pragma unroll
+                            for (int v = 0; v < VEC; ++v) logit[h] += q_s[h][c * VEC + v] * k[v];
+                        }
+                    }
+                }
+            }
+            const float distance = (float)(t - (seq_len - 1));  // <= 0 for ALiBi
+#pragma unroll
+            for (int h = 0; h < HT; ++h)
+                p_s[h][tid] = row >= 0 ? logit[h] + slope_s[h] * distance : neg_inf();
+        }
+        __syncthreads();
+
+        // 2. online softmax: one warp per head.
+        {
+            const int warp = tid / CUPA_WARP, lane = tid % CUPA_WARP;
+            for (int h = warp; h < nh; h += NWARPS) {
+                float tile_max = neg_inf();
+                for (int j = lane; j < TILE; j += CUPA_WARP) tile_max = max_f(tile_max, p_s[h][j]);
+                tile_max = warp_max(tile_max);
+                const float m_old = m_s[h];
+                const float m_new = max_f(m_old, tile_max);
+                float sum = 0.0f;
+                for (int j = lane; j < TILE; j += CUPA_WARP) {
+                    // m_new == -inf only if nothing was readable so far: keep everything at 0.
+                    const float p = m_new == neg_inf() ? 0.0f : fast_exp2(p_s[h][j] - m_new);
+                    p_s[h][j] = p;
+                    sum += p;
+                }
+                sum = warp_sum(sum);
+                if (lane == 0) {
+                    const float corr = m_old == neg_inf() ? 0.0f : fast_exp2(m_old - m_new);
+                    corr_s[h] = corr;
+                    l_s[h] = l_s[h] * corr + sum;
+                    m_s[h] = m_new;
+                }
+            }
+        }
+        __syncthreads();
+
+        // 3. PV: acc[i] += p[h][t] * V[t] for this thread's heads, column chunk and token lane.
+        if (pv_active) {
+#pragma unroll
+            for (int i = 0; i < L::HPT; ++i) {
+                const int h = pv_slot * L::HPT + i;
+                const float corr = h < nh ? corr_s[h] : 0.0f;
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[i][v] *= corr;
+            }
+            const int tile_len = cmin(TILE, end - tile);
+            for (int j = pv_lane; j < tile_len; j += L::LANES) {
+                const i64 row = row_s[j];
+                if (row < 0) continue;
+                float val[VEC];
+                Elem<T>::widen(load16(value_cache + row + pv_chunk * VEC), val);
+#pragma unroll
+                for (int i = 0; i < L::HPT; ++i) {
+                    const float p = p_s[pv_slot * L::HPT + i][j];
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) acc[i][v] += p * val[v];
+                }
+            }
+        }
+        __syncthreads();  // p_s and row_s are rewritten by the next tile
+    }
+
+    // Sum the token lanes.
+    if (L::LANES > 1) {
+        if (pv_active && pv_lane > 0) {
+#pragma unroll
+            for (int i = 0; i < L::HPT; ++i)
+#pragma unroll
+                for (int v = 0; v < VEC; ++v)
+                    red_s[pv_lane - 1][pv_slot * L::HPT + i][pv_chunk * VEC + v] = acc[i][v];
+        }
+        __syncthreads();
+        if (pv_active && pv_lane == 0) {
+            for (int lane = 0; lane < L::LANES - 1; ++lane)
+#pragma unroll
+                for (int i = 0; i < L::HPT; ++i)
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v)
+                        acc[i][v] += red_s[lane][pv_slot * L::HPT + i][pv_chunk * VEC + v];
+        }
+    }
+
+    if (pv_active && pv_lane == 0) {
+#pragma unroll
+        for (int i = 0; i < L::HPT; ++i) {
+            const int h = pv_slot * L::HPT + i;
+            if (h >= nh) continue;
+            const i64 head = (i64)seq * num_heads + head0 + h;
+            if (single) {
+                const float inv = l_s[h] > 0.0f ? 1.0f / l_s[h] : 0.0f;
+                float o[VEC];
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) o[v] = acc[i][v] * inv;
+                store16(out + head * D + pv_chunk * VEC, Elem<T>::narrow(o));
+            } else {
+                float* dst = part_acc + (head * max_partitions + part) * D + pv_chunk * VEC;
+#pragma unroll
+                for (int v = 0; v < VEC; v += 4) store16(dst + v, Elem<float>::narrow(&acc[i][v]));
+            }
+        }
+    }
+    if (tid < nh) {
+        const i64 head = (i64)seq * num_heads + head0 + tid;
+        if (single) {
+            if (lse != nullptr)
+                lse[head] = l_s[tid] > 0.0f ? (m_s[tid] + fast_log2(l_s[tid])) * LN2 : neg_inf();
+        } else {
+            part_max[head * max_partitions + part] = m_s[tid];
+            part_sum[head * max_partitions + part] = l_s[tid];
+        }
+    }
+}
+
+// Phase 2: merge the partitions of one (sequence, head). Partitions are visited in chunks of
+// CUPA_THREADS, so there is no compile-time cap on their number.
+template <typename T>
+CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
+                           const float* __restrict__ part_acc, const float* __restrict__ part_max,
+                           const float* __restrict__ part_sum, const i32* __restrict__ seq_lens,
+                           i32 num_heads, i32 head_size, i32 partition_size, i32 max_partitions,
+                           i32 capacity) {
+    constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
+    __shared__ float w_s[CUPA_THREADS];
+    __shared__ float warp_s[NWARPS];
+    __shared__ float global_max_s, total_s;
+
+    const int tid = threadIdx.x, warp = tid / CUPA_WARP, lane = tid % CUPA_WARP;
+    const i64 head = blockIdx.x;  // seq * num_heads + h
+    const int seq = (int)(head / num_heads);
+    int seq_len = seq_lens[seq];
+    seq_len = seq_len < 0 ? 0 : cmin(seq_len, capacity);
+    const int n = (seq_len + partition_size - 1) / partition_size;
+    const float* pm = part_max + head * max_partitions;
+    const float* ps = part_sum + head * max_partitions;
+    const float* pa = part_acc + head * max_partitions * head_size;
+
+    float m = neg_inf();
+    for (int p = tid; p < n; p += CUPA_THREADS) m = max_f(m, pm[p]);
+    m = warp_max(m);
+    if (lane == 0) warp_s[warp] = m;
+    __syncthreads();
+    if (tid == 0) {
+        float v = warp_s[0];
+        for (int w = 1; w < NWARPS; ++w) v = max_f(v, warp_s[w]);
+        global_max_s = v;
+    }
+    __syncthreads();
+    const float global_max = global_max_s;
+
+    if (global_max == neg_inf()) {  // empty sequence (or nothing readable)
+        for (int d = tid; d < head_size; d += CUPA_THREADS)
+            Elem<T>::store(out + head * head_size + d, 0.0f);
+        if (lse != nullptr && tid == 0) lse[head] = neg_inf();
+        return;
+    }
+
+    float total = 0.0f;
+    for (int p = tid; p < n; p += CUPA_THREADS) total += fast_exp2(pm[p] - global_max) * ps[p];
+    total = warp_sum(total);
+    __syncthreads();
+    if (lane == 0) warp_s[warp] = total;
+    __syncthreads();
+    if (tid == 0) {
+        float v = 0.0f;
+        for (int w = 0; w < NWARPS; ++w) v += warp_s[w];
+        total_s = v;
+    }
+
+    // Each thread owns columns d = tid, tid + CUPA_THREADS, ... (at most 2 for head sizes <= 256).
+    constexpr int MAX_COLS = (256 + CUPA_THREADS - 1) / CUPA_THREADS;
+    float col[MAX_COLS];
+#pragma unroll
+    for (int c = 0; c < MAX_COLS; ++c) col[c] = 0.0f;
+    for (int base = 0; base < n; base += CUPA_THREADS) {
+        __syncthreads();
+        const int p = base + tid;
+        w_s[tid] = p < n ? fast_exp2(pm[p] - global_max) : 0.0f;
+        __syncthreads();
+        const int count = cmin(CUPA_THREADS, n - base);
+        for (int j = 0; j < count; ++j) {
+            const float w = w_s[j];
+            const float* row = pa + (i64)(base + j) * head_size;
+#pragma unroll
+            for (int c = 0; c < MAX_COLS; ++c) {
+                const int d = tid + c * CUPA_THREADS;
+                if (d < head_size) col[c] += w * row[d];
+            }
+        }
+    }
+    const float inv = 1.0f / total_s;
+#pragma unroll
+    for (int c = 0; c < MAX_COLS; ++c) {
+        const int d = tid + c * CUPA_THREADS;
+        if (d < head_size) Elem<T>::store(out + head * head_size + d, col[c] * inv);
+    }
+    if (lse != nullptr && tid == 0) lse[head] = (global_max + fast_log2(total_s)) * LN2;
+}
+
+}  // namespace cupa
+
+// One extern "C" entry point per variant, so both NVRTC's and hipRTC's disk caches key on a plain
+// name. The host appends CUPA_DECODE_VARIANT / CUPA_REDUCE_VARIANT lines for what it needs.
+#define CUPA_DECODE_VARIANT(NAME, T, D, HT)                                                      \
+    extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
+        T* out, float* lse, float* part_acc, float* part_max, float* part_sum, const T* query,   \
+        const T* key_cache, const T* value_cache, const i32* block_tables, const i32* seq_lens,  \
+        const float* alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads, i32 block_size, \
+        i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size, i32 max_partitions,         \
+        i32 head_chunks) {                                                                       \
+        cupa::decode_partition<T, D, HT>(out, lse, part_acc, part_max, part_sum, query,         \
+                                         key_cache, value_cache, block_tables, seq_lens,         \
+                                         alibi_slopes, scale, num_heads, num_kv_heads,           \
+                                         block_size, max_blocks_per_seq, num_blocks,             \
+                                         partition_size, max_partitions, head_chunks);           \
+    }
+
+#define CUPA_REDUCE_VARIANT(NAME, T)                                                             \
+    extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
+        T* out, float* lse, const float* part_acc, const float* part_max, const float* part_sum, \
+        const i32* seq_lens, i32 num_heads, i32 head_size, i32 partition_size,                   \
+        i32 max_partitions, i32 capacity) {                                                      \
+        cupa::decode_reduce<T>(out, lse, part_acc, part_max, part_sum, seq_lens, num_heads,     \
+                               head_size, partition_size, max_partitions, capacity);             \
+    }

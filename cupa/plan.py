@@ -1,0 +1,71 @@
+"""Planning a decode launch: head chunks, partition size, grid and workspace.
+
+The plan depends only on shapes (and an optional length hint), never on array contents, so it
+needs no device synchronisation. Partitions past a sequence's length exit at once, which is why a
+length hint only tunes speed and can never make a result wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import variants
+from .validation import DecodeShape
+
+# Fewest tokens a partition should hold: below this the fixed cost of a workgroup (loading the
+# queries, writing partials) outweighs the parallelism gained.
+MIN_PARTITION = 2 * variants.THREADS
+# Aim for this many workgroups per multiprocessor before splitting sequences further.
+WORKGROUPS_PER_SM = 4
+# Grid limits shared by CUDA and HIP for the y and z dimensions.
+MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    variant: variants.DecodeVariant
+    head_chunks: int       # workgroups per KV head (GQA groups larger than the head tile)
+    partition_size: int    # tokens per partition
+    max_partitions: int    # partitions of the longest possible sequence
+
+    @property
+    def single_partition(self) -> bool:
+        """One partition covers every sequence: phase 1 writes the output, no reduce pass."""
+        return self.max_partitions == 1
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def make_plan(shape: DecodeShape, multiprocessors: int, *, partition_size: int | None = None,
+              max_seq_len: int | None = None) -> DecodePlan:
+    variant = variants.decode_variant(shape.dtype, shape.head_size, shape.group)
+    head_chunks = -(-shape.group // variant.heads)
+    capacity = shape.capacity
+    if partition_size is None:
+        longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
+        workgroups = shape.num_seqs * shape.num_kv_heads * head_chunks
+        wanted = WORKGROUPS_PER_SM * multiprocessors
+        if workgroups >= wanted:
+            partition_size = capacity
+        else:
+            splits = -(-wanted // max(workgroups, 1))
+            partition_size = max(MIN_PARTITION, _round_up(-(-longest // splits), variants.THREADS))
+            # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
+            partition_size = max(partition_size, -(-capacity // MAX_GRID_YZ))
+    else:
+        partition_size = int(partition_size)
+        if partition_size < 1:
+            raise ValueError(f"partition_size: must be >= 1, got {partition_size}")
+        if -(-capacity // partition_size) > MAX_GRID_YZ:
+            raise ValueError(f"partition_size: {partition_size} gives more than {MAX_GRID_YZ} "
+                             f"partitions for capacity {capacity}; use at least "
+                             f"{-(-capacity // MAX_GRID_YZ)}")
+    max_partitions = -(-capacity // partition_size)
+    if max_partitions == 1:
+        partition_size = capacity
+    if shape.num_seqs > MAX_GRID_YZ:
+        raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
+    return DecodePlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
+                      max_partitions=max_partitions)

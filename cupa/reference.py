@@ -1,0 +1,54 @@
+"""The float64 numpy oracle for paged decode attention.
+
+Written for clarity, one sequence and one head at a time, and sharing no code with the kernels or
+with the GPU launch path: the tests trust this file, so it must stay obviously right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, *,
+                           scale=None, alibi_slopes=None):
+    """Attention of one new token per sequence over its paged KV history, in float64.
+
+    query          [num_seqs, num_heads, head_size]
+    key_cache      [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache    [num_blocks, num_kv_heads, block_size, head_size]
+    block_tables   [num_seqs, max_blocks_per_seq] int
+    seq_lens       [num_seqs] int
+    Returns (out float64 [num_seqs, num_heads, head_size], lse float64 [num_seqs, num_heads]), where
+    lse is the natural log of the softmax denominator of the scaled (and ALiBi-biased) logits.
+    """
+    query = np.asarray(query, dtype=np.float64)
+    key_cache = np.asarray(key_cache)
+    value_cache = np.asarray(value_cache)
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if scale is None:
+        scale = head_size ** -0.5
+
+    out = np.zeros((num_seqs, num_heads, head_size), dtype=np.float64)
+    lse = np.full((num_seqs, num_heads), -np.inf, dtype=np.float64)
+    for s in range(num_seqs):
+        n = int(seq_lens[s])
+        if n == 0:
+            continue
+        positions = np.arange(n)
+        blocks = np.asarray(block_tables[s])[positions // block_size]
+        offsets = positions % block_size
+        for h in range(num_heads):
+            kv_head = h // group
+            keys = key_cache[blocks, kv_head, offsets].astype(np.float64)      # [n, head_size]
+            values = value_cache[blocks, kv_head, offsets].astype(np.float64)  # [n, head_size]
+            logits = scale * (keys @ query[s, h])
+            if alibi_slopes is not None:
+                logits = logits + float(alibi_slopes[h]) * (positions - (n - 1))
+            peak = logits.max()
+            weights = np.exp(logits - peak)
+            denominator = weights.sum()
+            out[s, h] = (weights @ values) / denominator
+            lse[s, h] = peak + np.log(denominator)
+    return out, lse

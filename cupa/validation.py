@@ -1,0 +1,156 @@
+"""Argument checks for `cupa.decode`: shapes, dtypes and (for host arrays) contents.
+
+Every error names the argument, what was expected and what arrived. The checks here read only
+metadata (shape, dtype, strides), so they cost nothing on device arrays; `check_table_contents`
+reads values and is run only on host (numpy) tables, where it needs no device synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def dtype_name(dtype) -> str:
+    """'float16' / 'bfloat16' / 'float32' / ... for numpy, ml_dtypes and cupy dtypes alike."""
+    return np.dtype(dtype).name
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Everything about one decode call that does not depend on array contents."""
+
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    dtype: str
+    scale: float
+    has_alibi: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1 for MHA, num_heads for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens a sequence can hold with this block table width."""
+        return self.max_blocks_per_seq * self.block_size
+
+
+def _shape_error(name, expected, actual):
+    return ValueError(f"{name}: expected shape {expected}, got {tuple(actual)}")
+
+
+def _require_c_contiguous(name, array):
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (got strides {tuple(array.strides)} "
+                         f"for shape {tuple(array.shape)}); pass a contiguous copy")
+
+
+def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
+                      scale=None, alibi_slopes=None, out=None) -> DecodeShape:
+    """Validate metadata of the decode arguments and return the problem's shape."""
+    if query.ndim != 3:
+        raise _shape_error("query", "[num_seqs, num_heads, head_size]", query.shape)
+    num_seqs, num_heads, head_size = (int(d) for d in query.shape)
+    dtype = dtype_name(query.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"query: head_size must be one of {SUPPORTED_HEAD_SIZES}, got {head_size}")
+
+    if key_cache.ndim != 4:
+        raise _shape_error("key_cache", "[num_blocks, num_kv_heads, block_size, head_size]",
+                           key_cache.shape)
+    num_blocks, num_kv_heads, block_size, kv_head_size = (int(d) for d in key_cache.shape)
+    if tuple(value_cache.shape) != tuple(key_cache.shape):
+        raise _shape_error("value_cache", tuple(key_cache.shape) + " (same as key_cache)",
+                           value_cache.shape)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if dtype_name(cache.dtype) != dtype:
+            raise TypeError(f"{name}: dtype must match query ({dtype}), got "
+                            f"{dtype_name(cache.dtype)}")
+        _require_c_contiguous(name, cache)
+    if kv_head_size != head_size:
+        raise ValueError(f"key_cache: head_size (last dim) must equal query's {head_size}, "
+                         f"got {kv_head_size}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"key_cache: block_size (dim 2) must be one of {SUPPORTED_BLOCK_SIZES}, "
+                         f"got {block_size}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}, query dim 1) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads}, key_cache dim 1)")
+    if num_blocks < 1:
+        raise ValueError("key_cache: needs at least one block, got num_blocks=0")
+
+    if block_tables.ndim != 2 or int(block_tables.shape[0]) != num_seqs:
+        raise _shape_error("block_tables", f"[{num_seqs}, max_blocks_per_seq]", block_tables.shape)
+    if dtype_name(block_tables.dtype) != "int32":
+        raise TypeError(f"block_tables: dtype must be int32, got {dtype_name(block_tables.dtype)}")
+    if int(block_tables.shape[1]) < 1:
+        raise ValueError("block_tables: needs at least one column, got max_blocks_per_seq=0")
+    _require_c_contiguous("block_tables", block_tables)
+    if seq_lens.ndim != 1 or int(seq_lens.shape[0]) != num_seqs:
+        raise _shape_error("seq_lens", f"[{num_seqs}]", seq_lens.shape)
+    if dtype_name(seq_lens.dtype) != "int32":
+        raise TypeError(f"seq_lens: dtype must be int32, got {dtype_name(seq_lens.dtype)}")
+    _require_c_contiguous("query", query)
+    _require_c_contiguous("seq_lens", seq_lens)
+
+    if alibi_slopes is not None:
+        if tuple(alibi_slopes.shape) != (num_heads,):
+            raise _shape_error("alibi_slopes", f"[{num_heads}]", alibi_slopes.shape)
+        if dtype_name(alibi_slopes.dtype) != "float32":
+            raise TypeError(f"alibi_slopes: dtype must be float32, got "
+                            f"{dtype_name(alibi_slopes.dtype)}")
+    if out is not None:
+        if tuple(out.shape) != tuple(query.shape):
+            raise _shape_error("out", tuple(query.shape), out.shape)
+        if dtype_name(out.dtype) != dtype:
+            raise TypeError(f"out: dtype must match query ({dtype}), got {dtype_name(out.dtype)}")
+        _require_c_contiguous("out", out)
+
+    if scale is None:
+        scale = head_size ** -0.5
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+
+    return DecodeShape(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, num_blocks=num_blocks, block_size=block_size,
+                       max_blocks_per_seq=int(block_tables.shape[1]), dtype=dtype, scale=scale,
+                       has_alibi=alibi_slopes is not None)
+
+
+def check_table_contents(shape: DecodeShape, block_tables: np.ndarray, seq_lens: np.ndarray):
+    """Value checks on host tables: lengths in range, and every used block id inside the cache."""
+    seq_lens = np.asarray(seq_lens)
+    if shape.num_seqs == 0:
+        return
+    if seq_lens.min() < 0:
+        bad = int(np.argmin(seq_lens))
+        raise ValueError(f"seq_lens[{bad}]: must be >= 0, got {int(seq_lens[bad])}")
+    if seq_lens.max() > shape.capacity:
+        bad = int(np.argmax(seq_lens))
+        raise ValueError(f"seq_lens[{bad}] = {int(seq_lens[bad])} exceeds the block table's "
+                         f"capacity {shape.capacity} (= {shape.max_blocks_per_seq} blocks x "
+                         f"block_size {shape.block_size})")
+    used_blocks = -(-seq_lens // shape.block_size)
+    columns = np.arange(shape.max_blocks_per_seq)[None, :]
+    used = columns < used_blocks[:, None]
+    ids = np.asarray(block_tables)[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= shape.num_blocks):
+        seq, col = np.argwhere(used & ((block_tables < 0) | (block_tables >= shape.num_blocks)))[0]
+        raise ValueError(f"block_tables[{seq}, {col}] = {int(block_tables[seq, col])} is not a "
+                         f"block of the cache (0 <= id < {shape.num_blocks}) but is used by "
+                         f"seq_lens[{seq}] = {int(seq_lens[seq])}")

@@ -1,0 +1,158 @@
+"""GPU decode against the float64 reference. Runs unchanged on CUDA and ROCm; skips without a GPU.
+
+Every check draws fresh random inputs, plants NaN in every cache slot and table entry that no
+sequence uses, poisons the output before the launch, and compares by ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa.arrays import gpu_available
+from cupa.reference import paged_decode_reference
+
+from cases import REL_BOUND, make_case, rel_error
+
+pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
+
+PARTITION = 256  # forced small partition size: exercises the reduce path with short sequences
+# Lengths around tile (128) and partition (256) boundaries, plus longer ones.
+LENGTHS = (1, 127, 128, 129, PARTITION - 1, PARTITION, PARTITION + 1, 2 * PARTITION + 3, 2000)
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh inputs on every run, reproducible from the seed printed on failure.
+    seed = np.random.SeedSequence().entropy % 2**32
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def to_gpu(case):
+    import cupy
+    return [cupy.asarray(x) for x in case.args()], (
+        None if case.alibi_slopes is None else cupy.asarray(case.alibi_slopes))
+
+
+def run_and_check(case, dtype, **kwargs):
+    """Decode on the GPU with a NaN-poisoned output, three partitionings, against the reference."""
+    import cupy
+    ref_out, ref_lse = paged_decode_reference(*case.args(), scale=case.scale,
+                                              alibi_slopes=case.alibi_slopes)
+    args, slopes = to_gpu(case)
+    capacity = case.block_tables.shape[1] * case.key_cache.shape[2]
+    for partition_size in (PARTITION, None, capacity):
+        out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
+        result, lse = cupa.decode(*args, scale=case.scale, alibi_slopes=slopes, out=out,
+                                  return_lse=True, partition_size=partition_size, **kwargs)
+        assert result is out
+        got = cupy.asnumpy(out).astype(np.float64)
+        assert np.isfinite(got).all(), f"non-finite output (partition_size={partition_size})"
+        err = rel_error(got, ref_out)
+        assert err <= REL_BOUND[dtype], (
+            f"rel error {err:.3g} > {REL_BOUND[dtype]} (partition_size={partition_size})")
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4,
+                                   err_msg=f"lse (partition_size={partition_size})")
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_matrix(rng, dtype, head_size, block_size, group, alibi):
+    lengths = list(LENGTHS) + [int(rng.integers(1, 3000))]
+    case = make_case(rng, dtype=dtype, head_size=head_size, block_size=block_size,
+                     num_kv_heads=2, group=group, seq_lens=lengths, alibi=alibi)
+    run_and_check(case, dtype)
+
+
+@pytest.mark.parametrize("group", [3, 5, 6, 12, 32, 64])
+def test_uneven_and_large_groups(rng, group):
+    case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=1,
+                     group=group, seq_lens=(1, 300, 1031))
+    run_and_check(case, "float16")
+
+
+def test_empty_sequences_and_lse(rng):
+    import cupy
+    case = make_case(rng, dtype="float16", head_size=64, block_size=16, group=4,
+                     seq_lens=(0, 5, 0, 700))
+    run_and_check(case, "float16")
+    args, _ = to_gpu(case)
+    out, lse = cupa.decode(*args, return_lse=True)
+    assert (cupy.asnumpy(out[0]) == 0).all() and (cupy.asnumpy(out[2]) == 0).all()
+    assert np.isneginf(cupy.asnumpy(lse[[0, 2]])).all()
+
+
+def test_long_context_million_tokens(rng):
+    n = 1 << 20
+    case = make_case(rng, dtype="float16", head_size=64, block_size=32, num_kv_heads=1, group=4,
+                     seq_lens=(n, 3), shared_blocks=False, spare_columns=1)
+    run_and_check(case, "float16")
+
+
+def test_many_sequences_single_partition(rng):
+    case = make_case(rng, dtype="bfloat16", head_size=128, block_size=16, num_kv_heads=8,
+                     group=8, seq_lens=rng.integers(1, 600, size=80))
+    run_and_check(case, "bfloat16")
+
+
+def test_numpy_inputs_give_numpy_outputs(rng):
+    case = make_case(rng, dtype="float16", head_size=128, group=2, seq_lens=(33, 400))
+    out = cupa.decode(*case.args(), backend="gpu")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float16
+    ref, _ = paged_decode_reference(*case.args())
+    assert rel_error(out, ref) <= REL_BOUND["float16"]
+
+
+def test_device_tables_are_clamped_not_read_out_of_bounds(rng):
+    """Device tables are not checked on the host: lengths past capacity clamp to it, and used
+    block ids outside the cache contribute nothing, with no out-of-bounds read."""
+    import cupy
+    case = make_case(rng, dtype="float32", head_size=64, block_size=8, group=2,
+                     seq_lens=(40, 24), spare_columns=0)
+    capacity = case.block_tables.shape[1] * 8
+    args, _ = to_gpu(case)
+    args[4] = cupy.asarray(np.array([capacity + 1000, 24], np.int32))
+    clamped = case.seq_lens.copy()
+    clamped[0] = capacity
+    ref, _ = paged_decode_reference(*case.args()[:4], clamped)
+    out = cupa.decode(*args)
+    assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["float32"]
+
+    tables = case.block_tables.copy()
+    tables[1, 1] = 10**9  # tokens 8..15 of sequence 1 sit in a block that does not exist
+    args[3] = cupy.asarray(tables)
+    out = cupy.asnumpy(cupa.decode(*args))
+    assert np.isfinite(out).all()
+
+
+def test_stream_and_foreign_arrays(rng):
+    import cupy
+    case = make_case(rng, dtype="float16", head_size=96, group=4, seq_lens=(5, 900))
+    args, _ = to_gpu(case)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    out = cupa.decode(*args, stream=stream)
+    stream.synchronize()
+    ref, _ = paged_decode_reference(*case.args())
+    assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["float16"]
+
+    class Foreign:  # a minimal non-cupy device array, as torch or numba would expose
+        def __init__(self, a):
+            self.__cuda_array_interface__ = a.__cuda_array_interface__
+    out = cupa.decode(*(Foreign(a) for a in args))
+    assert rel_error(cupy.asnumpy(cupy.asarray(out)), ref) <= REL_BOUND["float16"]
+
+
+def test_repeated_calls_are_deterministic(rng):
+    import cupy
+    case = make_case(rng, dtype="bfloat16", head_size=128, group=8, seq_lens=(3000, 1, 513))
+    args, _ = to_gpu(case)
+    first = cupy.asnumpy(cupa.decode(*args, partition_size=256)).view(np.uint16)
+    for _ in range(3):
+        again = cupy.asnumpy(cupa.decode(*args, partition_size=256)).view(np.uint16)
+        np.testing.assert_array_equal(first, again)
