@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 
 from . import variants
 from .arrays import cupy_module
@@ -25,28 +24,25 @@ _modules: dict = {}
 _lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class DecodeKernels:
-    partition: object  # cupy RawKernel
-    reduce: object
+def kernels(variant, device_index: int | None = None) -> dict:
+    """{entry name: cupy RawKernel} of a variant compiled for a device (once per process).
 
-
-def decode_kernels(variant: variants.DecodeVariant, device_index: int | None = None):
-    """The compiled partition and reduce kernels of `variant` on a device (cached)."""
+    `variant` is any object with `source_file`, `entry_names` and `instantiations()` (see
+    cupa.variants).
+    """
     info = device_info(device_index)
     key = (info.index, variant)
-    kernels = _modules.get(key)
-    if kernels is None:
+    compiled = _modules.get(key)
+    if compiled is None:
         with _lock:
-            kernels = _modules.get(key)
-            if kernels is None:
+            compiled = _modules.get(key)
+            if compiled is None:
                 cupy = cupy_module()
                 module = cupy.RawModule(code=variants.module_source(variant),
                                         options=info.target.runtime_options())
-                kernels = DecodeKernels(module.get_function(variant.partition_name),
-                                        module.get_function(variant.reduce_name))
-                _modules[key] = kernels
-    return kernels
+                compiled = {name: module.get_function(name) for name in variant.entry_names}
+                _modules[key] = compiled
+    return compiled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,11 +86,14 @@ def _compile_nvrtc(source: str, name: str, target: Target) -> int:
     except nvrtc.NVRTCError as exc:
         log = nvrtc.getProgramLog(program)
         raise RuntimeError(f"NVRTC failed for {name} on {target.arch}:\n{log}") from exc
-    finally:
-        pass
     size = len(nvrtc.getCUBIN(program))
     nvrtc.destroyProgram(program)
     return size
+
+
+def _clang_resource_dir(clang: str) -> str:
+    result = subprocess.run([clang, "-print-resource-dir"], capture_output=True, text=True)
+    return result.stdout.strip()
 
 
 def _compile_clang_hip(source: str, name: str, target: Target) -> int:
@@ -108,20 +107,28 @@ def _compile_clang_hip(source: str, name: str, target: Target) -> int:
         src = os.path.join(tmp, f"{name}.hip")
         asm = os.path.join(tmp, f"{name}.s")
         with open(src, "w") as f:
-            f.write('#include <hip/hip_runtime.h>\n' + source)
+            f.write(source)
+        # hipRTC provides the HIP device API implicitly; offline we include the packaged HIP
+        # headers instead. Debian's include clang's CUDA wrappers as <include/cuda_wrappers/...>,
+        # hence the resource directory on the system include path. -S runs the whole AMDGPU back
+        # end (register allocation, ISA) without needing device libraries to link.
         cmd = [clang, "-x", "hip", "--cuda-device-only", "-nogpulib", "-nogpuinc",
-               f"--offload-arch={target.arch}", "-std=c++17", "-O3", "-S", "-I", include,
-               "-D__HIP_PLATFORM_AMD__=1", *target.defines(), src, "-o", asm]
+               "-isystem", _clang_resource_dir(clang),
+               *([] if include == "/usr/include" else ["-isystem", include]),
+               "-include", "hip/hip_runtime.h", "-D__HIP_PLATFORM_AMD__=1",
+               f"--offload-arch={target.arch}", "-std=c++17", "-O3", "-S",
+               *target.defines(), src, "-o", asm]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"clang failed for {name} on {target.arch}:\n{result.stderr}")
         return os.path.getsize(asm)
 
 
-def compile_offline(variant: variants.DecodeVariant, arch: str) -> int:
+def compile_offline(variant, arch: str) -> int:
     """Compile one variant for `arch` without a GPU; returns the size of what was produced."""
     target = Target(arch)
     source = variants.module_source(variant)
+    name = variant.entry_names[0]
     if target.is_hip:
-        return _compile_clang_hip(source, variant.partition_name, target)
-    return _compile_nvrtc(source, variant.partition_name, target)
+        return _compile_clang_hip(source, name, target)
+    return _compile_nvrtc(source, name, target)

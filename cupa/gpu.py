@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import cupy_module
-from .compiler import decode_kernels
+from .compiler import kernels as compiled_kernels
 from .device import device_info
 from .plan import make_plan
 from . import variants
@@ -25,7 +25,8 @@ def decode_gpu(query, key_cache, value_cache, block_tables, seq_lens, shape, *, 
                out, return_lse, partition_size, max_seq_len):
     cupy = cupy_module()
     info = device_info()
-    plan = make_plan(shape, info.multiprocessors, partition_size=partition_size,
+    plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
+                     partition_size=partition_size,
                      max_seq_len=max_seq_len)
     if out is None:
         out = cupy.empty(query.shape, dtype=query.dtype)
@@ -33,7 +34,7 @@ def decode_gpu(query, key_cache, value_cache, block_tables, seq_lens, shape, *, 
     if shape.num_seqs == 0:
         return out, lse
 
-    kernels = decode_kernels(plan.variant, info.index)
+    kernels = compiled_kernels(plan.variant, info.index)
     if plan.single_partition:
         part_acc = part_max = part_sum = None
     else:
@@ -44,14 +45,14 @@ def decode_gpu(query, key_cache, value_cache, block_tables, seq_lens, shape, *, 
 
     i32 = np.int32
     grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
-    kernels.partition(grid, (variants.THREADS,), (
+    kernels[plan.variant.partition_name](grid, (variants.THREADS,), (
         out, _ptr(lse), _ptr(part_acc), _ptr(part_max), _ptr(part_sum), query, key_cache,
         value_cache, block_tables, seq_lens, _ptr(alibi_slopes), np.float32(shape.scale),
         i32(shape.num_heads), i32(shape.num_kv_heads), i32(shape.block_size),
         i32(shape.max_blocks_per_seq), i32(shape.num_blocks), i32(plan.partition_size),
         i32(plan.max_partitions), i32(plan.head_chunks)))
     if not plan.single_partition:
-        kernels.reduce((shape.num_seqs * shape.num_heads,), (variants.THREADS,), (
+        kernels[plan.variant.reduce_name]((shape.num_seqs * shape.num_heads,), (variants.THREADS,), (
             out, _ptr(lse), part_acc, part_max, part_sum, seq_lens, i32(shape.num_heads),
             i32(shape.head_size), i32(plan.partition_size), i32(plan.max_partitions),
             i32(shape.capacity)))

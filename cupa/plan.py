@@ -23,7 +23,7 @@ MAX_GRID_YZ = 65535
 
 @dataclass(frozen=True)
 class DecodePlan:
-    variant: variants.DecodeVariant
+    variant: object  # a variants.DecodeVariant or DecodeMmaVariant
     head_chunks: int       # workgroups per KV head (GQA groups larger than the head tile)
     partition_size: int    # tokens per partition
     max_partitions: int    # partitions of the longest possible sequence
@@ -38,9 +38,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def make_plan(shape: DecodeShape, multiprocessors: int, *, partition_size: int | None = None,
-              max_seq_len: int | None = None) -> DecodePlan:
-    variant = variants.decode_variant(shape.dtype, shape.head_size, shape.group)
+def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
+              partition_size: int | None = None, max_seq_len: int | None = None) -> DecodePlan:
+    variant = variants.decode_variant(shape.dtype, shape.head_size, shape.group, arch)
     head_chunks = -(-shape.group // variant.heads)
     capacity = shape.capacity
     if partition_size is None:

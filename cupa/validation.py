@@ -74,7 +74,7 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
                            key_cache.shape)
     num_blocks, num_kv_heads, block_size, kv_head_size = (int(d) for d in key_cache.shape)
     if tuple(value_cache.shape) != tuple(key_cache.shape):
-        raise _shape_error("value_cache", tuple(key_cache.shape) + " (same as key_cache)",
+        raise _shape_error("value_cache", f"{tuple(key_cache.shape)} (same as key_cache)",
                            value_cache.shape)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if dtype_name(cache.dtype) != dtype:

@@ -8,6 +8,7 @@ the variant count to dtypes x head sizes x head tiles.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +41,16 @@ def head_tile(group: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    """Phase 1 (partition) kernel plus the phase 2 (reduce) kernel of the same dtype."""
+    """Phase 1 (partition) kernel plus the phase 2 (reduce) kernel of the same dtype.
+
+    Every variant class offers the same three members, which is all the compiler needs:
+    `source_file`, `entry_names` and `instantiations()`.
+    """
 
     dtype: str
     head_size: int
     heads: int  # head tile
+    source_file = "decode.cu"
 
     @property
     def tag(self) -> str:
@@ -58,6 +64,10 @@ class DecodeVariant:
     def reduce_name(self) -> str:
         return f"cupa_reduce_{self.tag}"
 
+    @property
+    def entry_names(self) -> tuple[str, ...]:
+        return (self.partition_name, self.reduce_name)
+
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
         return [f"CUPA_DECODE_VARIANT({self.partition_name}, {ctype}, {self.head_size}, "
@@ -65,12 +75,65 @@ class DecodeVariant:
                 f"CUPA_REDUCE_VARIANT({self.reduce_name}, {ctype})"]
 
 
-def decode_variant(dtype: str, head_size: int, group: int) -> DecodeVariant:
+@dataclass(frozen=True)
+class DecodeMmaVariant:
+    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+): 16 query heads per workgroup as the
+    M rows of m16n8k16, fp16/bf16 only, head sizes that are multiples of 64."""
+
+    dtype: str
+    head_size: int
+    heads = 16
+    source_file = "decode_mma.cu"
+
+    @property
+    def partition_name(self) -> str:
+        return f"cupa_decode_mma_{DTYPES[self.dtype][0]}_d{self.head_size}"
+
+    @property
+    def reduce_name(self) -> str:
+        return f"cupa_reduce_{DTYPES[self.dtype][0]}"
+
+    @property
+    def entry_names(self) -> tuple[str, ...]:
+        return (self.partition_name, self.reduce_name)
+
+    def instantiations(self) -> list[str]:
+        ctype = DTYPES[self.dtype][1]
+        return [f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, {ctype}, {self.head_size})",
+                f"CUPA_REDUCE_VARIANT({self.reduce_name}, {ctype})"]
+
+
+MMA_DTYPES = ("float16", "bfloat16")
+MMA_HEAD_SIZES = (64, 128)
+MMA_MIN_SM = 80
+# Query heads per KV head from which tensor cores beat the portable kernel (below it, decode is
+# bound by memory either way and the portable kernel wastes no rows).
+MMA_MIN_GROUP = 2
+
+
+def mma_eligible(dtype: str, head_size: int, group: int, arch: str) -> bool:
+    """Whether the tensor-core kernel serves this problem on this target."""
+    if os.environ.get("CUPA_KERNEL", "auto") == "portable":
+        return False
+    if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < MMA_MIN_SM:
+        return False
+    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and group >= MMA_MIN_GROUP
+
+
+def decode_variant(dtype: str, head_size: int, group: int, arch: str = ""):
+    """The phase-1 variant for a problem on a target. CUPA_KERNEL=portable in the environment
+    forces the portable kernel (for tests and benchmarks)."""
+    if mma_eligible(dtype, head_size, group, arch):
+        return DecodeMmaVariant(dtype, head_size)
     return DecodeVariant(dtype, head_size, head_tile(group))
 
 
 def all_decode_variants() -> list[DecodeVariant]:
     return [DecodeVariant(dtype, d, h) for dtype in DTYPES for d in HEAD_SIZES for h in HEAD_TILES]
+
+
+def all_mma_variants() -> list[DecodeMmaVariant]:
+    return [DecodeMmaVariant(dtype, d) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES]
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -96,6 +159,45 @@ def _expanded(filename: str) -> str:
     return expand(filename)
 
 
-def module_source(variant: DecodeVariant) -> str:
-    """Self-contained source of the module holding one decode variant."""
-    return _expanded("decode.cu") + "\n" + "\n".join(variant.instantiations()) + "\n"
+def module_source(variant) -> str:
+    """Self-contained source of the module holding one variant (of any kernel family)."""
+    return _expanded(variant.source_file) + "\n" + "\n".join(variant.instantiations()) + "\n"
+
+
+# Kernel families register a function listing all their variants, for the offline compile check.
+VARIANT_FAMILIES = {"decode": all_decode_variants, "decode_mma": all_mma_variants}
+# Families that exist only for NVIDIA targets.
+NVIDIA_ONLY_FAMILIES = {"decode_mma"}
+
+
+def all_variants(arch: str | None = None) -> list:
+    """Every variant, or those that exist for `arch` ('sm_90', 'gfx942', ...)."""
+    hip = arch is not None and arch.startswith("gfx")
+    return [v for name, family in VARIANT_FAMILIES.items()
+            if not (hip and name in NVIDIA_ONLY_FAMILIES) for v in family()]
+
+
+@dataclass(frozen=True)
+class CacheWriteVariant:
+    """The KV-cache write kernel of one dtype (head size and block size are runtime args)."""
+
+    dtype: str
+    source_file = "cache_write.cu"
+
+    @property
+    def write_name(self) -> str:
+        return f"cupa_cache_write_{DTYPES[self.dtype][0]}"
+
+    @property
+    def entry_names(self) -> tuple[str, ...]:
+        return (self.write_name,)
+
+    def instantiations(self) -> list[str]:
+        return [f"CUPA_CACHE_WRITE_VARIANT({self.write_name}, {DTYPES[self.dtype][1]})"]
+
+
+def all_cache_write_variants() -> list[CacheWriteVariant]:
+    return [CacheWriteVariant(dtype) for dtype in DTYPES]
+
+
+VARIANT_FAMILIES["cache_write"] = all_cache_write_variants

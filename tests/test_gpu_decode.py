@@ -6,10 +6,13 @@ sequence uses, poisons the output before the launch, and compares by ||out - ref
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 import cupa
+from cupa import variants
 from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
@@ -37,25 +40,50 @@ def to_gpu(case):
         None if case.alibi_slopes is None else cupy.asarray(case.alibi_slopes))
 
 
+def kernel_modes(case):
+    """'auto' picks the tensor-core kernel where it applies; check the portable one there too."""
+    from cupa.device import device_info
+    num_kv_heads, _, head_size = case.key_cache.shape[1:]
+    group = case.query.shape[1] // num_kv_heads
+    dtype = np.dtype(case.query.dtype).name
+    eligible = variants.mma_eligible(dtype, head_size, group, device_info().target.arch)
+    return ("auto", "portable") if eligible else ("auto",)
+
+
 def run_and_check(case, dtype, **kwargs):
-    """Decode on the GPU with a NaN-poisoned output, three partitionings, against the reference."""
-    import cupy
+    """Decode on the GPU with a NaN-poisoned output, three partitionings and every kernel that
+    applies, against the reference."""
     ref_out, ref_lse = paged_decode_reference(*case.args(), scale=case.scale,
                                               alibi_slopes=case.alibi_slopes)
     args, slopes = to_gpu(case)
     capacity = case.block_tables.shape[1] * case.key_cache.shape[2]
+    saved = os.environ.get("CUPA_KERNEL")
+    try:
+        for mode in kernel_modes(case):
+            os.environ["CUPA_KERNEL"] = mode
+            check_partitionings(case, dtype, args, slopes, capacity, ref_out, ref_lse, mode,
+                                **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("CUPA_KERNEL", None)
+        else:
+            os.environ["CUPA_KERNEL"] = saved
+
+
+def check_partitionings(case, dtype, args, slopes, capacity, ref_out, ref_lse, mode, **kwargs):
+    import cupy
     for partition_size in (PARTITION, None, capacity):
         out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
         result, lse = cupa.decode(*args, scale=case.scale, alibi_slopes=slopes, out=out,
                                   return_lse=True, partition_size=partition_size, **kwargs)
         assert result is out
         got = cupy.asnumpy(out).astype(np.float64)
-        assert np.isfinite(got).all(), f"non-finite output (partition_size={partition_size})"
+        where = f"kernel={mode}, partition_size={partition_size}"
+        assert np.isfinite(got).all(), f"non-finite output ({where})"
         err = rel_error(got, ref_out)
-        assert err <= REL_BOUND[dtype], (
-            f"rel error {err:.3g} > {REL_BOUND[dtype]} (partition_size={partition_size})")
+        assert err <= REL_BOUND[dtype], f"rel error {err:.3g} > {REL_BOUND[dtype]} ({where})"
         np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4,
-                                   err_msg=f"lse (partition_size={partition_size})")
+                                   err_msg=f"lse ({where})")
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
@@ -156,3 +184,16 @@ def test_repeated_calls_are_deterministic(rng):
     for _ in range(3):
         again = cupy.asnumpy(cupa.decode(*args, partition_size=256)).view(np.uint16)
         np.testing.assert_array_equal(first, again)
+
+
+def test_tensor_core_kernel_is_chosen_where_it_applies():
+    from cupa.device import device_info
+    from cupa.plan import make_plan
+    from cupa.validation import DecodeShape
+    arch = device_info().target.arch
+    shape = DecodeShape(num_seqs=4, num_heads=64, num_kv_heads=8, head_size=128, num_blocks=64,
+                        block_size=16, max_blocks_per_seq=16, dtype="float16", scale=0.1,
+                        has_alibi=False)
+    variant = make_plan(shape, 132, arch=arch).variant
+    nvidia_ampere_plus = arch.startswith("sm_") and int(arch[3:]) >= 80
+    assert isinstance(variant, variants.DecodeMmaVariant) == nvidia_ampere_plus

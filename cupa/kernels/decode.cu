@@ -17,14 +17,9 @@
 // read: their logit is -inf and their V row is skipped, so garbage (even NaN) in unwritten cache
 // slots or table entries cannot reach the output.
 #include "common.cuh"
+#include "reduce.cuh"
 
 namespace cupa {
-
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-
-__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
-__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 // How the PV step spreads a tile over the workgroup, for storage type T, head size D and HT heads
 // per workgroup. Kept in one place so the kernel and its shared-memory sizes agree.
@@ -257,95 +252,11 @@ CUPA_FN void decode_partition(
     }
 }
 
-// Phase 2: merge the partitions of one (sequence, head). Partitions are visited in chunks of
-// CUPA_THREADS, so there is no compile-time cap on their number.
-template <typename T>
-CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
-                           const float* __restrict__ part_acc, const float* __restrict__ part_max,
-                           const float* __restrict__ part_sum, const i32* __restrict__ seq_lens,
-                           i32 num_heads, i32 head_size, i32 partition_size, i32 max_partitions,
-                           i32 capacity) {
-    constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
-    __shared__ float w_s[CUPA_THREADS];
-    __shared__ float warp_s[NWARPS];
-    __shared__ float global_max_s, total_s;
-
-    const int tid = threadIdx.x, warp = tid / CUPA_WARP, lane = tid % CUPA_WARP;
-    const i64 head = blockIdx.x;  // seq * num_heads + h
-    const int seq = (int)(head / num_heads);
-    int seq_len = seq_lens[seq];
-    seq_len = seq_len < 0 ? 0 : cmin(seq_len, capacity);
-    const int n = (seq_len + partition_size - 1) / partition_size;
-    const float* pm = part_max + head * max_partitions;
-    const float* ps = part_sum + head * max_partitions;
-    const float* pa = part_acc + head * max_partitions * head_size;
-
-    float m = neg_inf();
-    for (int p = tid; p < n; p += CUPA_THREADS) m = max_f(m, pm[p]);
-    m = warp_max(m);
-    if (lane == 0) warp_s[warp] = m;
-    __syncthreads();
-    if (tid == 0) {
-        float v = warp_s[0];
-        for (int w = 1; w < NWARPS; ++w) v = max_f(v, warp_s[w]);
-        global_max_s = v;
-    }
-    __syncthreads();
-    const float global_max = global_max_s;
-
-    if (global_max == neg_inf()) {  // empty sequence (or nothing readable)
-        for (int d = tid; d < head_size; d += CUPA_THREADS)
-            Elem<T>::store(out + head * head_size + d, 0.0f);
-        if (lse != nullptr && tid == 0) lse[head] = neg_inf();
-        return;
-    }
-
-    float total = 0.0f;
-    for (int p = tid; p < n; p += CUPA_THREADS) total += fast_exp2(pm[p] - global_max) * ps[p];
-    total = warp_sum(total);
-    __syncthreads();
-    if (lane == 0) warp_s[warp] = total;
-    __syncthreads();
-    if (tid == 0) {
-        float v = 0.0f;
-        for (int w = 0; w < NWARPS; ++w) v += warp_s[w];
-        total_s = v;
-    }
-
-    // Each thread owns columns d = tid, tid + CUPA_THREADS, ... (at most 2 for head sizes <= 256).
-    constexpr int MAX_COLS = (256 + CUPA_THREADS - 1) / CUPA_THREADS;
-    float col[MAX_COLS];
-#pragma unroll
-    for (int c = 0; c < MAX_COLS; ++c) col[c] = 0.0f;
-    for (int base = 0; base < n; base += CUPA_THREADS) {
-        __syncthreads();
-        const int p = base + tid;
-        w_s[tid] = p < n ? fast_exp2(pm[p] - global_max) : 0.0f;
-        __syncthreads();
-        const int count = cmin(CUPA_THREADS, n - base);
-        for (int j = 0; j < count; ++j) {
-            const float w = w_s[j];
-            const float* row = pa + (i64)(base + j) * head_size;
-#pragma unroll
-            for (int c = 0; c < MAX_COLS; ++c) {
-                const int d = tid + c * CUPA_THREADS;
-                if (d < head_size) col[c] += w * row[d];
-            }
-        }
-    }
-    const float inv = 1.0f / total_s;
-#pragma unroll
-    for (int c = 0; c < MAX_COLS; ++c) {
-        const int d = tid + c * CUPA_THREADS;
-        if (d < head_size) Elem<T>::store(out + head * head_size + d, col[c] * inv);
-    }
-    if (lse != nullptr && tid == 0) lse[head] = (global_max + fast_log2(total_s)) * LN2;
-}
-
 }  // namespace cupa
 
 // One extern "C" entry point per variant, so both NVRTC's and hipRTC's disk caches key on a plain
-// name. The host appends CUPA_DECODE_VARIANT / CUPA_REDUCE_VARIANT lines for what it needs.
+// name. The host appends CUPA_DECODE_VARIANT / CUPA_REDUCE_VARIANT lines for what it needs
+// (CUPA_REDUCE_VARIANT lives in reduce.cuh).
 #define CUPA_DECODE_VARIANT(NAME, T, D, HT)                                                      \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
         T* out, float* lse, float* part_acc, float* part_max, float* part_sum, const T* query,   \
@@ -358,13 +269,4 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
                                          alibi_slopes, scale, num_heads, num_kv_heads,           \
                                          block_size, max_blocks_per_seq, num_blocks,             \
                                          partition_size, max_partitions, head_chunks);           \
-    }
-
-#define CUPA_REDUCE_VARIANT(NAME, T)                                                             \
-    extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
-        T* out, float* lse, const float* part_acc, const float* part_max, const float* part_sum, \
-        const i32* seq_lens, i32 num_heads, i32 head_size, i32 partition_size,                   \
-        i32 max_partitions, i32 capacity) {                                                      \
-        cupa::decode_reduce<T>(out, lse, part_acc, part_max, part_sum, seq_lens, num_heads,     \
-                               head_size, partition_size, max_partitions, capacity);             \
     }

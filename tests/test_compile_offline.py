@@ -1,0 +1,45 @@
+"""Every kernel variant compiles for every target, with no GPU: NVRTC for sm_80/sm_90 and
+clang -x hip for gfx90a/gfx942/gfx1100/gfx1201. In CI (CI set) a missing compiler fails."""
+
+import os
+
+import pytest
+
+from cupa import variants
+from cupa.__main__ import compile_all
+from cupa.compiler import DEFAULT_TARGETS, hip_compiler, hip_include_dir
+
+IN_CI = bool(os.environ.get("CI"))
+
+
+def missing_compilers():
+    missing = []
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:
+        missing.append(f"NVRTC ({exc}); pip install 'cupa[nvrtc]'")
+    if hip_compiler() is None or hip_include_dir() is None:
+        missing.append("clang + HIP headers; apt-get install clang-19 libamdhip64-dev")
+    return missing
+
+
+@pytest.fixture(scope="module")
+def results():
+    missing = missing_compilers()
+    if missing:
+        message = "offline compilers missing: " + "; ".join(missing)
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return compile_all(DEFAULT_TARGETS)
+
+
+@pytest.mark.parametrize("target", DEFAULT_TARGETS)
+def test_every_variant_compiles(results, target):
+    failed = {v.entry_names[0]: detail for (v, t), (ok, detail) in results.items()
+              if t == target and not ok}
+    compiled = sum(1 for (v, t) in results if t == target)
+    assert compiled == len(variants.all_variants())
+    assert not failed, f"{len(failed)} variants failed on {target}:\n" + "\n".join(
+        f"{name}: {detail[:2000]}" for name, detail in list(failed.items())[:3])
