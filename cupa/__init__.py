@@ -1,7 +1,8 @@
 """cupa: PyTorch-free paged-attention decode for ROCm and CUDA GPUs, with a numpy fallback."""
 
 from .api import decode
+from .cache import OutOfBlocksError, PagedKVCache
 from .reference import paged_decode_reference
 
 __version__ = "0.1.0"
-__all__ = ["decode", "paged_decode_reference", "__version__"]
+__all__ = ["decode", "PagedKVCache", "OutOfBlocksError", "paged_decode_reference", "__version__"]

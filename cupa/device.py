@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 from . import variants
@@ -33,10 +34,15 @@ class Target:
                 f"-DCUPA_THREADS={variants.THREADS}"]
 
     def runtime_options(self) -> tuple[str, ...]:
-        """Options for cupy.RawModule on this target (cupy adds the arch itself)."""
+        """Options for cupy.RawModule on this target (cupy adds the arch itself).
+
+        CUPA_EXTRA_OPTIONS (space-separated) is appended: a knob for kernel development, such as
+        trying -DCUPA_MMA_MIN_BLOCKS=3 without editing the source.
+        """
+        extra = os.environ.get("CUPA_EXTRA_OPTIONS", "").split()
         if self.is_hip:
-            return tuple(self.defines() + ["-std=c++17", "-O3"])
-        return tuple(self.defines() + ["--std=c++17"])
+            return tuple(self.defines() + ["-std=c++17", "-O3"] + extra)
+        return tuple(self.defines() + ["--std=c++17"] + extra)
 
 
 @dataclass(frozen=True)

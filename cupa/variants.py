@@ -77,17 +77,20 @@ class DecodeVariant:
 
 @dataclass(frozen=True)
 class DecodeMmaVariant:
-    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+): 16 query heads per workgroup as the
-    M rows of m16n8k16, fp16/bf16 only, head sizes that are multiples of 64."""
+    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64 and 128.
+
+    heads=8: the group's query heads are the N=8 columns (groups of 2-8); heads=16: they are the
+    M=16 rows (groups of 9-16, and chunks of 16 of larger groups).
+    """
 
     dtype: str
     head_size: int
-    heads = 16
+    heads: int
     source_file = "decode_mma.cu"
 
     @property
     def partition_name(self) -> str:
-        return f"cupa_decode_mma_{DTYPES[self.dtype][0]}_d{self.head_size}"
+        return f"cupa_decode_mma{self.heads}_{DTYPES[self.dtype][0]}_d{self.head_size}"
 
     @property
     def reduce_name(self) -> str:
@@ -99,16 +102,20 @@ class DecodeMmaVariant:
 
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
-        return [f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, {ctype}, {self.head_size})",
+        kernel = f"decode_partition_mma{self.heads}"
+        return [f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, {kernel}, {ctype}, "
+                f"{self.head_size})",
                 f"CUPA_REDUCE_VARIANT({self.reduce_name}, {ctype})"]
 
 
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_HEAD_SIZES = (64, 128)
+MMA_HEAD_TILES = (8, 16)
 MMA_MIN_SM = 80
-# Query heads per KV head from which tensor cores beat the portable kernel (below it, decode is
-# bound by memory either way and the portable kernel wastes no rows).
-MMA_MIN_GROUP = 2
+# Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
+# in an 8-column tile) leaves the tensor cores far from busy, so this is 1 unless the bench says
+# otherwise.
+MMA_MIN_GROUP = 1
 
 
 def mma_eligible(dtype: str, head_size: int, group: int, arch: str) -> bool:
@@ -124,7 +131,7 @@ def decode_variant(dtype: str, head_size: int, group: int, arch: str = ""):
     """The phase-1 variant for a problem on a target. CUPA_KERNEL=portable in the environment
     forces the portable kernel (for tests and benchmarks)."""
     if mma_eligible(dtype, head_size, group, arch):
-        return DecodeMmaVariant(dtype, head_size)
+        return DecodeMmaVariant(dtype, head_size, 8 if group <= 8 else 16)
     return DecodeVariant(dtype, head_size, head_tile(group))
 
 
@@ -133,7 +140,8 @@ def all_decode_variants() -> list[DecodeVariant]:
 
 
 def all_mma_variants() -> list[DecodeMmaVariant]:
-    return [DecodeMmaVariant(dtype, d) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES]
+    return [DecodeMmaVariant(dtype, d, h) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
+            for h in MMA_HEAD_TILES]
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)

@@ -17,7 +17,7 @@
 // read: their logit is -inf and their V row is skipped, so garbage (even NaN) in unwritten cache
 // slots or table entries cannot reach the output.
 #include "common.cuh"
-#include "reduce.cuh"
+#include "decode_common.cuh"
 
 namespace cupa {
 
@@ -58,32 +58,18 @@ CUPA_FN void decode_partition(
     __shared__ float m_s[HT], l_s[HT], corr_s[HT], slope_s[HT];
     __shared__ float red_s[L::LANES > 1 ? L::LANES - 1 : 1][HT][D];
 
+    PartitionWork w;
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, num_heads, num_kv_heads, block_size,
+                                   max_blocks_per_seq, partition_size, max_partitions,
+                                   head_chunks))
+        return;
+    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
+                                      block_size, num_blocks, D);
     const int tid = threadIdx.x;
-    const int group = num_heads / num_kv_heads;
-    const int kv_head = blockIdx.x / head_chunks;
-    const int chunk = blockIdx.x % head_chunks;
-    const int head0 = kv_head * group + chunk * HT;
-    const int nh = cmin(HT, group - chunk * HT);  // active heads in this workgroup
-    const int part = blockIdx.y;
-    const int seq = blockIdx.z;
+    const int nh = w.nh, seq_len = w.seq_len, start = w.start, end = w.end;
     const bool single = max_partitions == 1;
 
-    int seq_len = seq_lens[seq];
-    seq_len = seq_len < 0 ? 0 : cmin(seq_len, max_blocks_per_seq * block_size);
-    const int start = part * partition_size;
-    if (start >= seq_len) {
-        // Only the single-partition launch owns the final output of an empty sequence; with
-        // several partitions, decode_reduce writes it.
-        if (single && part == 0) {
-            for (int i = tid; i < nh * D; i += CUPA_THREADS)
-                Elem<T>::store(out + ((i64)seq * num_heads + head0) * D + i, 0.0f);
-            if (lse != nullptr && tid < nh) lse[(i64)seq * num_heads + head0 + tid] = neg_inf();
-        }
-        return;
-    }
-    const int end = cmin(start + partition_size, seq_len);
-
-    const T* q_seq = query + ((i64)seq * num_heads + head0) * D;
+    const T* q_seq = query + w.first_head * D;
     for (int i = tid; i < HT * D; i += CUPA_THREADS) {
         const int h = i / D;
         q_s[h][i % D] = h < nh ? Elem<T>::load(q_seq + i) * (scale * LOG2E) : 0.0f;
@@ -91,13 +77,9 @@ CUPA_FN void decode_partition(
     if (tid < HT) {
         m_s[tid] = neg_inf();
         l_s[tid] = 0.0f;
-        slope_s[tid] = (alibi_slopes != nullptr && tid < nh) ? alibi_slopes[head0 + tid] * LOG2E
+        slope_s[tid] = (alibi_slopes != nullptr && tid < nh) ? alibi_slopes[w.head0 + tid] * LOG2E
                                                                : 0.0f;
     }
-
-    const i32* table = block_tables + (i64)seq * max_blocks_per_seq;
-    const i64 head_offset = (i64)kv_head * block_size * D;
-    const i64 block_stride = (i64)num_kv_heads * block_size * D;
 
     // PV role of this thread
     const int pv_chunk = tid % L::CHUNKS;
@@ -116,12 +98,7 @@ CUPA_FN void decode_partition(
         // 1. QK: thread tid scores token tile + tid against every head of the chunk.
         {
             const int t = tile + tid;
-            i64 row = -1;
-            if (t < end) {
-                const int block = table[t / block_size];
-                if (block >= 0 && block < num_blocks)
-                    row = (i64)block * block_stride + head_offset + (i64)(t % block_size) * D;
-            }
+            const i64 row = rows.row(t);
             row_s[tid] = row;
             float logit[HT];
 #pragma unroll
@@ -226,7 +203,7 @@ CUPA_FN void decode_partition(
         for (int i = 0; i < L::HPT; ++i) {
             const int h = pv_slot * L::HPT + i;
             if (h >= nh) continue;
-            const i64 head = (i64)seq * num_heads + head0 + h;
+            const i64 head = w.first_head + h;
             if (single) {
                 const float inv = l_s[h] > 0.0f ? 1.0f / l_s[h] : 0.0f;
                 float o[VEC];
@@ -234,20 +211,20 @@ CUPA_FN void decode_partition(
                 for (int v = 0; v < VEC; ++v) o[v] = acc[i][v] * inv;
                 store16(out + head * D + pv_chunk * VEC, Elem<T>::narrow(o));
             } else {
-                float* dst = part_acc + (head * max_partitions + part) * D + pv_chunk * VEC;
+                float* dst = part_acc + (head * max_partitions + w.part) * D + pv_chunk * VEC;
 #pragma unroll
                 for (int v = 0; v < VEC; v += 4) store16(dst + v, Elem<float>::narrow(&acc[i][v]));
             }
         }
     }
     if (tid < nh) {
-        const i64 head = (i64)seq * num_heads + head0 + tid;
+        const i64 head = w.first_head + tid;
         if (single) {
             if (lse != nullptr)
                 lse[head] = l_s[tid] > 0.0f ? (m_s[tid] + fast_log2(l_s[tid])) * LN2 : neg_inf();
         } else {
-            part_max[head * max_partitions + part] = m_s[tid];
-            part_sum[head * max_partitions + part] = l_s[tid];
+            part_max[head * max_partitions + w.part] = m_s[tid];
+            part_sum[head * max_partitions + w.part] = l_s[tid];
         }
     }
 }
@@ -256,7 +233,7 @@ CUPA_FN void decode_partition(
 
 // One extern "C" entry point per variant, so both NVRTC's and hipRTC's disk caches key on a plain
 // name. The host appends CUPA_DECODE_VARIANT / CUPA_REDUCE_VARIANT lines for what it needs
-// (CUPA_REDUCE_VARIANT lives in reduce.cuh).
+// (CUPA_REDUCE_VARIANT lives in decode_common.cuh).
 #define CUPA_DECODE_VARIANT(NAME, T, D, HT)                                                      \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
         T* out, float* lse, float* part_acc, float* part_max, float* part_sum, const T* query,   \

@@ -1,4 +1,6 @@
 // Phase 1 of paged decode on NVIDIA tensor cores (sm_80+, fp16/bf16, head size 64 or 128).
+// Two kernels: mma16 (query heads as the 16 rows; groups of 9-16, and chunks of 16 for larger
+// groups) and mma8 (heads as the 8 columns; groups of 2-8).
 //
 // With GQA the query heads of one KV head form a small matrix, so QK^T and PV are matrix products
 // whose FMA cost on CUDA cores outgrows the memory time at group sizes of 4-8 and more. Here the
@@ -18,7 +20,12 @@
 // Each warp of the workgroup takes every NWARPS-th 16-token step of the partition with its own
 // running max and sum; the warps merge through shared memory at the end.
 #include "common.cuh"
-#include "reduce.cuh"
+#include "decode_common.cuh"
+
+// Workgroups per multiprocessor the register allocation must allow (a tuning knob).
+#ifndef CUPA_MMA_MIN_BLOCKS
+#define CUPA_MMA_MIN_BLOCKS 1
+#endif
 
 namespace cupa {
 
@@ -62,8 +69,67 @@ CUPA_FN u32 pair_halves(const cupa_u32x4& a, const cupa_u32x4& b, int e) {
     return __byte_perm(word(a, e >> 1), word(b, e >> 1), (e & 1) ? 0x7632 : 0x5410);
 }
 
+// Epilogue shared by the mma kernels: each warp left its unnormalised output rows, running max
+// and sum in shared memory; combine them and write the final output (one partition) or this
+// partition's float32 partials.
+template <typename T, int D, int HT, int NWARPS>
+CUPA_FN void merge_warps_and_store(const float (*o_s)[HT][D], const float (*m_s)[HT],
+                                   const float (*l_s)[HT], T* out, float* lse, float* part_acc,
+                                   float* part_max, float* part_sum, i64 first_head, int nh,
+                                   int part, int max_partitions) {
+    for (int i = threadIdx.x; i < nh * D; i += CUPA_THREADS) {
+        const int h = i / D, d = i % D;
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) m = max_f(m, m_s[w][h]);
+        const float use = m == neg_inf() ? 0.f : m;
+        float l = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float f = fast_exp2(m_s[w][h] - use);
+            l += f * l_s[w][h];
+            o += f * o_s[w][h][d];
+        }
+        const i64 head = first_head + h;
+        if (max_partitions == 1) {
+            Elem<T>::store(out + head * D + d, l > 0.f ? o / l : 0.f);
+            if (d == 0 && lse != nullptr) lse[head] = l > 0.f ? (m + fast_log2(l)) * LN2 : neg_inf();
+        } else {
+            part_acc[(head * max_partitions + part) * D + d] = o;
+            if (d == 0) {
+                part_max[head * max_partitions + part] = m;
+                part_sum[head * max_partitions + part] = l;
+            }
+        }
+    }
+}
+
+// Rows of the paged K/V that a warp needs for one 16-token step, or -1 where unreadable.
+struct StepRows {
+    i64 k0, k1;  // K rows of tokens g and g + 8
+    i64 v[4];    // V rows of tokens 2c, 2c + 1, 2c + 8, 2c + 9
+};
+
+CUPA_FN StepRows step_rows(const PagedRows& rows, int base, int g, int c) {
+    StepRows r;
+    r.k0 = rows.row(base + g);
+    r.k1 = rows.row(base + g + 8);
+    r.v[0] = rows.row(base + 2 * c);
+    r.v[1] = rows.row(base + 2 * c + 1);
+    r.v[2] = rows.row(base + 2 * c + 8);
+    r.v[3] = rows.row(base + 2 * c + 9);
+    return r;
+}
+
+template <typename T>
+CUPA_FN cupa_u32x4 load_or_zero(const T* base, i64 row, int offset) {
+    const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
+    return row >= 0 ? load16(base + row + offset) : zero;
+}
+
+// ---- Group of 9-16 query heads: heads are the M=16 rows (S = Q K^T, O = P V). ----------------
 template <typename T, int D>
-CUPA_FN void decode_partition_mma(
+CUPA_FN void decode_partition_mma16(
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
     float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query,
     const T* __restrict__ key_cache, const T* __restrict__ value_cache,
@@ -82,58 +148,33 @@ CUPA_FN void decode_partition_mma(
     __shared__ float o_s[NWARPS][HT][D];
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane >> 2, c = lane & 3;
-    const int group = num_heads / num_kv_heads;
-    const int kv_head = blockIdx.x / head_chunks;
-    const int chunk = blockIdx.x % head_chunks;
-    const int head0 = kv_head * group + chunk * HT;
-    const int nh = cmin(HT, group - chunk * HT);
-    const int part = blockIdx.y;
-    const int seq = blockIdx.z;
-    const bool single = max_partitions == 1;
-
-    int seq_len = seq_lens[seq];
-    seq_len = seq_len < 0 ? 0 : cmin(seq_len, max_blocks_per_seq * block_size);
-    const int start = part * partition_size;
-    if (start >= seq_len) {
-        if (single && part == 0) {
-            for (int i = tid; i < nh * D; i += CUPA_THREADS)
-                Elem<T>::store(out + ((i64)seq * num_heads + head0) * D + i, 0.0f);
-            if (lse != nullptr && tid < nh) lse[(i64)seq * num_heads + head0 + tid] = neg_inf();
-        }
+    PartitionWork w;
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, num_heads, num_kv_heads, block_size,
+                                   max_blocks_per_seq, partition_size, max_partitions,
+                                   head_chunks))
         return;
-    }
-    const int end = cmin(start + partition_size, seq_len);
+    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
+                                      block_size, num_blocks, D);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, c = lane & 3;
+    const int nh = w.nh;
 
     // Q as A fragments, permuted like K (see the header). Rows past the group are zero.
     u32 qf[QK_BLOCKS][2][4];
     {
-        const T* q_seq = query + ((i64)seq * num_heads + head0) * D;
-        const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
+        const T* q = query + w.first_head * D;
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
-            const cupa_u32x4 qa = g < nh ? load16(q_seq + g * D + 32 * b + 8 * c) : zero;
-            const cupa_u32x4 qb = g + 8 < nh ? load16(q_seq + (g + 8) * D + 32 * b + 8 * c) : zero;
+            const cupa_u32x4 qa = load_or_zero(q, g < nh ? (i64)g * D : -1, 32 * b + 8 * c);
+            const cupa_u32x4 qb = load_or_zero(q, g + 8 < nh ? (i64)(g + 8) * D : -1, 32 * b + 8 * c);
             qf[b][0][0] = qa.x; qf[b][0][1] = qb.x; qf[b][0][2] = qa.y; qf[b][0][3] = qb.y;
             qf[b][1][0] = qa.z; qf[b][1][1] = qb.z; qf[b][1][2] = qa.w; qf[b][1][3] = qb.w;
         }
     }
     const float qk_scale = scale * LOG2E;
-    const float slope_lo = (alibi_slopes != nullptr && g < nh) ? alibi_slopes[head0 + g] * LOG2E : 0.f;
-    const float slope_hi =
-        (alibi_slopes != nullptr && g + 8 < nh) ? alibi_slopes[head0 + g + 8] * LOG2E : 0.f;
-
-    const i32* table = block_tables + (i64)seq * max_blocks_per_seq;
-    const i64 head_offset = (i64)kv_head * block_size * D;
-    const i64 block_stride = (i64)num_kv_heads * block_size * D;
-    // Element offset of token t's K/V row, or -1 past the end or in a block outside the cache.
-    auto row_of = [&](int t) -> i64 {
-        if (t >= end) return -1;
-        const int block = table[t / block_size];
-        if (block < 0 || block >= num_blocks) return -1;
-        return (i64)block * block_stride + head_offset + (i64)(t % block_size) * D;
-    };
+    const bool alibi = alibi_slopes != nullptr;
+    const float slope_lo = alibi && g < nh ? alibi_slopes[w.head0 + g] * LOG2E : 0.f;
+    const float slope_hi = alibi && g + 8 < nh ? alibi_slopes[w.head0 + g + 8] * LOG2E : 0.f;
 
     float acc[NT][4];
 #pragma unroll
@@ -141,27 +182,21 @@ CUPA_FN void decode_partition_mma(
     float m_lo = neg_inf(), m_hi = neg_inf();  // running max of rows g and g + 8 (log2 domain)
     float l_lo = 0.f, l_hi = 0.f;              // this lane's share of the running sums
 
-    const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
-    for (int base = start + warp * STEP; base < end; base += NWARPS * STEP) {
-        // Issue every load of the step first: K rows g and g + 8, V rows 2c, 2c+1, 2c+8, 2c+9.
-        const i64 k_row0 = row_of(base + g), k_row1 = row_of(base + g + 8);
+    for (int base = w.start + warp * STEP; base < w.end; base += NWARPS * STEP) {
+        // Issue every load of the step first.
+        const StepRows r = step_rows(rows, base, g, c);
         cupa_u32x4 kv0[QK_BLOCKS], kv1[QK_BLOCKS];
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
-            kv0[b] = k_row0 >= 0 ? load16(key_cache + k_row0 + 32 * b + 8 * c) : zero;
-            kv1[b] = k_row1 >= 0 ? load16(key_cache + k_row1 + 32 * b + 8 * c) : zero;
+            kv0[b] = load_or_zero(key_cache, r.k0, 32 * b + 8 * c);
+            kv1[b] = load_or_zero(key_cache, r.k1, 32 * b + 8 * c);
         }
-        i64 v_rows[4];
-        v_rows[0] = row_of(base + 2 * c);
-        v_rows[1] = row_of(base + 2 * c + 1);
-        v_rows[2] = row_of(base + 2 * c + 8);
-        v_rows[3] = row_of(base + 2 * c + 9);
         cupa_u32x4 vv[4][V_BLOCKS];
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
+        for (int t = 0; t < 4; ++t)
 #pragma unroll
             for (int b = 0; b < V_BLOCKS; ++b)
-                vv[r][b] = v_rows[r] >= 0 ? load16(value_cache + v_rows[r] + 64 * b + 8 * g) : zero;
+                vv[t][b] = load_or_zero(value_cache, r.v[t], 64 * b + 8 * g);
 
         // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1).
         float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -172,16 +207,15 @@ CUPA_FN void decode_partition_mma(
             MmaOp<T>::run(s1, qf[b][0], kv1[b].x, kv1[b].y);
             MmaOp<T>::run(s1, qf[b][1], kv1[b].z, kv1[b].w);
         }
-        // Scale, ALiBi, mask. Element (i) of s0/s1: row g (i < 2) or g + 8, token 2c + (i & 1).
+        // Scale, ALiBi, mask. Element i: row g (i & 2 == 0) or g + 8, token r.v[i & 1 | (i & 4) >> 1].
         float s[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const int t = base + (i < 4 ? 0 : 8) + 2 * c + (i & 1);
+            const int tok = (i & 1) | ((i & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
+            const int t = base + 2 * c + (i & 1) + (i & 4 ? 8 : 0);
             const float raw = i < 4 ? s0[i] : s1[i - 4];
             const float slope = (i & 2) ? slope_hi : slope_lo;
-            const bool valid = (i < 4 ? (i & 1 ? v_rows[1] : v_rows[0])
-                                      : (i & 1 ? v_rows[3] : v_rows[2])) >= 0;
-            s[i] = valid ? raw * qk_scale + slope * (float)(t - (seq_len - 1)) : neg_inf();
+            s[i] = r.v[tok] >= 0 ? raw * qk_scale + slope * (float)(t - (w.seq_len - 1)) : neg_inf();
         }
         // Online softmax per row; the four lanes of a quad share a row.
         float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
@@ -218,7 +252,7 @@ CUPA_FN void decode_partition_mma(
         }
     }
 
-    // Merge the warps: each writes its rows' max, sum and unnormalised output.
+    // Each warp leaves its rows' max, sum and unnormalised output for the merge.
     l_lo += warp_xor(l_lo, 1);
     l_lo += warp_xor(l_lo, 2);
     l_hi += warp_xor(l_hi, 1);
@@ -236,46 +270,187 @@ CUPA_FN void decode_partition_mma(
         o_s[warp][g + 8][d + 8] = acc[j][3];
     }
     __syncthreads();
+    merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
+                                            w.first_head, nh, w.part, max_partitions);
+}
 
-    for (int i = tid; i < nh * D; i += CUPA_THREADS) {
-        const int h = i / D, d = i % D;
-        float m = neg_inf();
+// ---- Group of 2-8 query heads: heads are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------
+// Half the registers and mma work of the 16-row form when the group fits in 8. K and V rows are
+// the A operands, loaded 16 bytes at a time with the same index permutations as above (for V the
+// permuted index is the head dim: m-tile i, row r <-> column (D/8)*(r%8) + (D/16)*(r/8) + i, so a
+// lane's rows of every m-tile are D/8 contiguous columns). P^T reaches the B layout of the PV
+// product through one movmatrix transpose per 8x8 tile. K and V of the next step are loaded
+// while the current one is computed.
+template <typename T, int D>
+struct Mma8Step {
+    static constexpr int QK_BLOCKS = D / 32;
+    static constexpr int V_VECS = D / 64;  // 16-byte vectors of a lane's V columns per token
+    cupa_u32x4 k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
+    StepRows r;
+
+    CUPA_FN void load(const T* key_cache, const T* value_cache, const PagedRows& rows, int base,
+                      int g, int c) {
+        r = step_rows(rows, base, g, c);
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) m = max_f(m, m_s[w][h]);
-        const float use = m == neg_inf() ? 0.f : m;
-        float l = 0.f, o = 0.f;
+        for (int b = 0; b < QK_BLOCKS; ++b) {
+            k0[b] = load_or_zero(key_cache, r.k0, 32 * b + 8 * c);
+            k1[b] = load_or_zero(key_cache, r.k1, 32 * b + 8 * c);
+        }
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
-            const float f = fast_exp2(m_s[w][h] - use);
-            l += f * l_s[w][h];
-            o += f * o_s[w][h][d];
-        }
-        const i64 head = (i64)seq * num_heads + head0 + h;
-        if (single) {
-            Elem<T>::store(out + head * D + d, l > 0.f ? o / l : 0.f);
-            if (d == 0 && lse != nullptr) lse[head] = l > 0.f ? (m + fast_log2(l)) * LN2 : neg_inf();
-        } else {
-            part_acc[(head * max_partitions + part) * D + d] = o;
-            if (d == 0) {
-                part_max[head * max_partitions + part] = m;
-                part_sum[head * max_partitions + part] = l;
-            }
-        }
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int b = 0; b < V_VECS; ++b)
+                v[t][b] = load_or_zero(value_cache, r.v[t], (D / 8) * g + 8 * b);
     }
+};
+
+CUPA_FN u32 transpose8x8(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+template <typename T, int D>
+CUPA_FN void decode_partition_mma8(
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
+    float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query,
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,
+    const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,
+    i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,
+    i32 max_partitions, i32 head_chunks) {
+    constexpr int HT = 8;                   // heads per workgroup = mma N
+    constexpr int NWARPS = CUPA_THREADS / 32;
+    constexpr int STEP = 16;
+    constexpr int QK_BLOCKS = D / 32;
+    constexpr int MT = D / 16;              // m-tiles of the output (head-dim rows)
+    static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
+
+    __shared__ float o_s[NWARPS][HT][D];
+    __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
+
+    PartitionWork w;
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, num_heads, num_kv_heads, block_size,
+                                   max_blocks_per_seq, partition_size, max_partitions,
+                                   head_chunks))
+        return;
+    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
+                                      block_size, num_blocks, D);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, c = lane & 3;
+    const int nh = w.nh;
+
+    // Q^T as B fragments: lane (g, c) holds head g, columns 32b + 8c .. +8.
+    cupa_u32x4 qv[QK_BLOCKS];
+    {
+        const T* q = query + w.first_head * D;
+#pragma unroll
+        for (int b = 0; b < QK_BLOCKS; ++b)
+            qv[b] = load_or_zero(q, g < nh ? (i64)g * D : -1, 32 * b + 8 * c);
+    }
+    const float qk_scale = scale * LOG2E;
+    const bool alibi = alibi_slopes != nullptr;
+    const float slope_e = alibi && 2 * c < nh ? alibi_slopes[w.head0 + 2 * c] * LOG2E : 0.f;
+    const float slope_o = alibi && 2 * c + 1 < nh ? alibi_slopes[w.head0 + 2 * c + 1] * LOG2E : 0.f;
+
+    float acc[MT][4];  // O^T: rows d(i, g) / d(i, g+8), columns heads 2c, 2c + 1
+#pragma unroll
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m_e = neg_inf(), m_o = neg_inf();  // running max of heads 2c and 2c + 1
+    float l_e = 0.f, l_o = 0.f;              // this lane's share of their sums
+
+    int base = w.start + warp * STEP;
+    Mma8Step<T, D> cur;
+    if (base < w.end) cur.load(key_cache, value_cache, rows, base, g, c);
+    for (; base < w.end; base += NWARPS * STEP) {
+        Mma8Step<T, D> next;
+        const int next_base = base + NWARPS * STEP;
+        if (next_base < w.end) next.load(key_cache, value_cache, rows, next_base, g, c);
+
+        // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), heads 2c, 2c+1.
+        float st[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int b = 0; b < QK_BLOCKS; ++b) {
+            const u32 a1[4] = {cur.k0[b].x, cur.k1[b].x, cur.k0[b].y, cur.k1[b].y};
+            const u32 a2[4] = {cur.k0[b].z, cur.k1[b].z, cur.k0[b].w, cur.k1[b].w};
+            MmaOp<T>::run(st, a1, qv[b].x, qv[b].y);
+            MmaOp<T>::run(st, a2, qv[b].z, qv[b].w);
+        }
+        const float d0 = (float)(base + g - (w.seq_len - 1));
+        const float d1 = d0 + 8.f;
+        float s[4];
+        s[0] = cur.r.k0 >= 0 ? st[0] * qk_scale + slope_e * d0 : neg_inf();
+        s[1] = cur.r.k0 >= 0 ? st[1] * qk_scale + slope_o * d0 : neg_inf();
+        s[2] = cur.r.k1 >= 0 ? st[2] * qk_scale + slope_e * d1 : neg_inf();
+        s[3] = cur.r.k1 >= 0 ? st[3] * qk_scale + slope_o * d1 : neg_inf();
+        // Online softmax per head (column): the 8 lanes with the same c share a head pair.
+        float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
+#pragma unroll
+        for (int mask = 4; mask < 32; mask <<= 1) {
+            mx_e = max_f(mx_e, warp_xor(mx_e, mask));
+            mx_o = max_f(mx_o, warp_xor(mx_o, mask));
+        }
+        const float new_e = max_f(m_e, mx_e), new_o = max_f(m_o, mx_o);
+        const float use_e = new_e == neg_inf() ? 0.f : new_e;
+        const float use_o = new_o == neg_inf() ? 0.f : new_o;
+        const float corr_e = fast_exp2(m_e - use_e), corr_o = fast_exp2(m_o - use_o);
+        m_e = new_e;
+        m_o = new_o;
+        const float p0 = fast_exp2(s[0] - use_e), p1 = fast_exp2(s[1] - use_o);
+        const float p2 = fast_exp2(s[2] - use_e), p3 = fast_exp2(s[3] - use_o);
+        l_e = l_e * corr_e + p0 + p2;
+        l_o = l_o * corr_o + p1 + p3;
+        // P^T tiles (tokens x heads) -> B fragments: head g, tokens 2c, 2c+1 (+8).
+        const u32 pb0 = transpose8x8(MmaOp<T>::pack(p0, p1));
+        const u32 pb1 = transpose8x8(MmaOp<T>::pack(p2, p3));
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            acc[i][0] *= corr_e; acc[i][1] *= corr_o;
+            acc[i][2] *= corr_e; acc[i][3] *= corr_o;
+            // Column i (row g) and D/16 + i (row g + 8) of this lane's D/8 columns.
+            const int lo = i, hi = MT + i;
+            const u32 a[4] = {pair_halves(cur.v[0][lo >> 3], cur.v[1][lo >> 3], lo & 7),
+                              pair_halves(cur.v[0][hi >> 3], cur.v[1][hi >> 3], hi & 7),
+                              pair_halves(cur.v[2][lo >> 3], cur.v[3][lo >> 3], lo & 7),
+                              pair_halves(cur.v[2][hi >> 3], cur.v[3][hi >> 3], hi & 7)};
+            MmaOp<T>::run(acc[i], a, pb0, pb1);
+        }
+        cur = next;
+    }
+
+#pragma unroll
+    for (int mask = 4; mask < 32; mask <<= 1) {
+        l_e += warp_xor(l_e, mask);
+        l_o += warp_xor(l_o, mask);
+    }
+    if (g == 0) {
+        m_s[warp][2 * c] = m_e; m_s[warp][2 * c + 1] = m_o;
+        l_s[warp][2 * c] = l_e; l_s[warp][2 * c + 1] = l_o;
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const int d_lo = (D / 8) * g + i, d_hi = d_lo + MT;
+        o_s[warp][2 * c][d_lo] = acc[i][0];
+        o_s[warp][2 * c + 1][d_lo] = acc[i][1];
+        o_s[warp][2 * c][d_hi] = acc[i][2];
+        o_s[warp][2 * c + 1][d_hi] = acc[i][3];
+    }
+    __syncthreads();
+    merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
+                                            w.first_head, nh, w.part, max_partitions);
 }
 
 }  // namespace cupa
 
-#define CUPA_DECODE_MMA_VARIANT(NAME, T, D)                                                      \
-    extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
+#define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, D)                                              \
+    extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS) NAME(       \
         T* out, float* lse, float* part_acc, float* part_max, float* part_sum, const T* query,   \
         const T* key_cache, const T* value_cache, const i32* block_tables, const i32* seq_lens,  \
         const float* alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads, i32 block_size, \
         i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size, i32 max_partitions,         \
         i32 head_chunks) {                                                                       \
-        cupa::decode_partition_mma<T, D>(out, lse, part_acc, part_max, part_sum, query,         \
-                                         key_cache, value_cache, block_tables, seq_lens,         \
-                                         alibi_slopes, scale, num_heads, num_kv_heads,           \
-                                         block_size, max_blocks_per_seq, num_blocks,             \
-                                         partition_size, max_partitions, head_chunks);           \
+        cupa::KERNEL<T, D>(out, lse, part_acc, part_max, part_sum, query, key_cache,            \
+                           value_cache, block_tables, seq_lens, alibi_slopes, scale, num_heads,  \
+                           num_kv_heads, block_size, max_blocks_per_seq, num_blocks,             \
+                           partition_size, max_partitions, head_chunks);                         \
     }

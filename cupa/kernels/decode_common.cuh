@@ -1,5 +1,6 @@
-// Phase 2 of decode, shared by every phase-1 kernel: merge the float32 partials of the partitions
-// of one (sequence, head) into the final output and its log-sum-exp.
+// What every decode kernel shares: which work a phase-1 workgroup owns, where a token's K/V row
+// lives, and phase 2 (merging the float32 partials of the partitions of one (sequence, head) into
+// the final output and its log-sum-exp).
 #pragma once
 #include "common.cuh"
 
@@ -10,6 +11,72 @@ constexpr float LN2 = 0.6931471805599453f;
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// The slice of work of one phase-1 workgroup: grid x = (KV head, head chunk), y = partition,
+// z = sequence. Lengths are clamped to the table's capacity, so a bad length on the device can
+// never make a kernel read past the block table.
+struct PartitionWork {
+    int seq, kv_head, head0, nh, part;
+    int seq_len, start, end;  // tokens [start, end) of a sequence of seq_len tokens
+    i64 first_head;           // seq * num_heads + head0: row of the first head in q/out/lse
+};
+
+// Fills `w`; returns false when the partition is empty, after writing the zero output and -inf
+// lse of an empty sequence if this workgroup owns them (single-partition launches only).
+template <typename T, int HT, int D>
+CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* seq_lens,
+                             i32 num_heads, i32 num_kv_heads, i32 block_size,
+                             i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
+                             i32 head_chunks) {
+    const int group = num_heads / num_kv_heads;
+    const int chunk = blockIdx.x % head_chunks;
+    w.kv_head = blockIdx.x / head_chunks;
+    w.head0 = w.kv_head * group + chunk * HT;
+    w.nh = cmin(HT, group - chunk * HT);
+    w.part = blockIdx.y;
+    w.seq = blockIdx.z;
+    w.first_head = (i64)w.seq * num_heads + w.head0;
+    const int len = seq_lens[w.seq];
+    w.seq_len = len < 0 ? 0 : cmin(len, max_blocks_per_seq * block_size);
+    w.start = w.part * partition_size;
+    w.end = cmin(w.start + partition_size, w.seq_len);
+    if (w.start < w.seq_len) return true;
+    if (max_partitions == 1 && w.part == 0) {
+        for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS)
+            Elem<T>::store(out + w.first_head * D + i, 0.0f);
+        if (lse != nullptr && (int)threadIdx.x < w.nh) lse[w.first_head + threadIdx.x] = neg_inf();
+    }
+    return false;
+}
+
+// Where the K/V rows of one (sequence, KV head) live in the paged cache.
+struct PagedRows {
+    const i32* table;  // this sequence's block table row
+    i64 head_offset;   // kv_head * block_size * D
+    i64 block_stride;  // num_kv_heads * block_size * D
+    int block_size, num_blocks, end, D;
+
+    // Element offset of token t's row, or -1 at or past `end` or in a block outside the cache.
+    CUPA_FN i64 row(int t) const {
+        if (t >= end) return -1;
+        const int block = table[t / block_size];
+        if (block < 0 || block >= num_blocks) return -1;
+        return (i64)block * block_stride + head_offset + (i64)(t % block_size) * D;
+    }
+};
+
+CUPA_FN PagedRows paged_rows(const PartitionWork& w, const i32* block_tables, int max_blocks_per_seq,
+                             int num_kv_heads, int block_size, int num_blocks, int D) {
+    PagedRows r;
+    r.table = block_tables + (i64)w.seq * max_blocks_per_seq;
+    r.head_offset = (i64)w.kv_head * block_size * D;
+    r.block_stride = (i64)num_kv_heads * block_size * D;
+    r.block_size = block_size;
+    r.num_blocks = num_blocks;
+    r.end = w.end;
+    r.D = D;
+    return r;
+}
 
 // Phase 2: merge the partitions of one (sequence, head). Partitions are visited in chunks of
 // CUPA_THREADS, so there is no compile-time cap on their number.

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Generate text with a Llama / Mistral / Qwen2 checkpoint on cupa's paged KV cache.
+
+    python examples/make_tiny_llama.py --out /tmp/tiny
+    python examples/generate.py --model /tmp/tiny --prompt-ids 1,2,3 --prompt-ids 4,5 \\
+        --max-new-tokens 16
+    python examples/generate.py --model ~/Llama-3.2-1B --prompt "The capital of France is" \\
+        --prompt "Once upon a time" --temperature 0.7 --top-p 0.9 --seed 1
+
+All prompts run as one continuous batch. Text (or token ids) streams to stdout as it is generated
+(to stderr with --json, which prints one JSON object per prompt on stdout and nothing else).
+Runs on the GPU through cupy when one is present, else on numpy (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # cupa from a source checkout
+
+from llm.config import UnsupportedModelError  # noqa: E402
+from llm.engine import Engine  # noqa: E402
+from llm.runtime import default_num_blocks, load_model, make_cache  # noqa: E402
+from llm.sampling import SamplingParams  # noqa: E402
+from llm.tokenizer import TextStream, load_tokenizer, tokenizers_available  # noqa: E402
+
+KV_FORMATS = ("auto", "none")
+
+
+def parse_ids(text: str):
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("empty --prompt-ids")
+    return ("ids", ids)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
+                   default=[], help="prompt text (repeatable; needs `pip install tokenizers`)")
+    p.add_argument("--prompt-ids", dest="prompts", action="append", type=parse_ids,
+                   help="prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: enough for every prompt at full length, "
+                        "capped at 80%% of free GPU memory); fewer make sequences wait or be "
+                        "preempted")
+    p.add_argument("--kv-format", default="auto",
+                   help="KV-cache storage: 'auto' (= the compute dtype); fp8 is not available yet")
+    p.add_argument("--backend", choices=("gpu", "numpy"), default=None,
+                   help="default: gpu when cupy sees a device, else numpy")
+    p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                   help="GPU compute dtype (default: the checkpoint's); numpy always uses float32")
+    p.add_argument("--max-batch", type=int, default=256, help="most sequences decoded at once")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt on stdout (streaming goes to stderr)")
+    p.add_argument("--quiet", action="store_true", help="no streaming output")
+    return p
+
+
+class Streamer:
+    """Prints each new token as it comes: text through the tokenizer, else ' id'. With several
+    prompts, a '[i] ' tag starts a new line whenever the stream switches sequence."""
+
+    def __init__(self, tokenizer, out, tagged: bool):
+        self.tokenizer, self.out, self.tagged = tokenizer, out, tagged
+        self.streams, self.current = {}, None
+
+    def __call__(self, seq, token):
+        if token is None:
+            return
+        if self.tokenizer is not None:
+            stream = self.streams.setdefault(seq.seq_id, TextStream(self.tokenizer))
+            delta = stream.push(seq.output_ids)
+        else:
+            delta = f" {token}"
+        if not delta:
+            return
+        if self.tagged and self.current != seq.seq_id:
+            self.out.write(("\n" if self.current is not None else "") + f"[{seq.seq_id}] ")
+            self.current = seq.seq_id
+        self.out.write(delta)
+        self.out.flush()
+
+    def end(self):
+        if self.current is not None or not self.tagged:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.prompts:
+        parser.error("give at least one --prompt or --prompt-ids")
+    if args.kv_format.lower() not in KV_FORMATS:
+        parser.error(f"--kv-format {args.kv_format}: fp8 (and other quantised) KV caches are not "
+                     f"available yet; use --kv-format auto")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
+    try:
+        params.check()
+    except ValueError as e:
+        parser.error(str(e))
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        if any(kind == "text" for kind, _ in args.prompts) and tokenizer is None:
+            why = (f"{args.model} has no tokenizer.json" if tokenizers_available() else
+                   "the `tokenizers` package is not installed (pip install tokenizers)")
+            parser.error(f"--prompt needs a tokenizer but {why}; pass --prompt-ids instead")
+        model, backend = load_model(args.model, backend=args.backend, dtype=args.dtype)
+    except (UnsupportedModelError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    prompts = [tokenizer.encode(p) if kind == "text" else p for kind, p in args.prompts]
+    vocab = model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if not p or min(p) < 0 or max(p) >= vocab:
+            print(f"error: prompt {i}: token ids must be in [0, {vocab}) and at least one",
+                  file=sys.stderr)
+            return 2
+    lengths = [len(p) + args.max_new_tokens for p in prompts]
+    num_blocks = args.num_blocks or default_num_blocks(model, args.block_size, lengths, backend)
+    cache = make_cache(model, num_blocks, args.block_size, backend)
+    cfg = model.config
+    log = sys.stderr if args.json else sys.stdout
+    print(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+          f"{cfg.num_heads}/{cfg.num_kv_heads}, vocab {cfg.vocab_size} | backend {backend}, "
+          f"{model.dtype.name} | {len(prompts)} prompts, KV cache {num_blocks} blocks x "
+          f"{args.block_size} tokens", file=sys.stderr)
+
+    streamer = None if args.quiet else Streamer(tokenizer, log, tagged=len(prompts) > 1)
+    if streamer is not None and len(prompts) == 1 and tokenizer is not None:
+        log.write(tokenizer.decode(prompts[0]))
+    engine = Engine(model, cache, eos_ids=cfg.eos_token_ids, max_batch=args.max_batch,
+                    on_token=streamer, backend=backend)
+    start = time.perf_counter()
+    seqs = [engine.add_request(p, params, seed=args.seed) for p in prompts]
+    engine.run()
+    elapsed = time.perf_counter() - start
+    if streamer is not None:
+        streamer.end()
+
+    for i, seq in enumerate(seqs):
+        if seq.finish_reason == "cache_too_small":
+            print(f"warning: prompt {i} ({len(seq.prompt_ids)} tokens) does not fit in the KV "
+                  f"cache ({num_blocks} blocks of {args.block_size}); raise --num-blocks",
+                  file=sys.stderr)
+        if args.json:
+            record = {"prompt_ids": seq.prompt_ids, "output_ids": seq.output_ids,
+                      "finish_reason": seq.finish_reason}
+            if tokenizer is not None:
+                record["output_text"] = tokenizer.decode(seq.output_ids)
+            print(json.dumps(record), flush=True)
+        elif len(seqs) > 1:
+            body = (tokenizer.decode(seq.output_ids) if tokenizer is not None
+                    else " ".join(map(str, seq.output_ids)))
+            print(f"--- prompt {i} ({len(seq.prompt_ids)} tokens -> {len(seq.output_ids)}, "
+                  f"{seq.finish_reason}) ---\n{body}", file=log)
+
+    s = engine.stats
+    rate = s.generated_tokens / elapsed if elapsed > 0 else float("inf")
+    decode_rate = s.decode_tokens / s.decode_time if s.decode_time > 0 else float("nan")
+    print(f"generated {s.generated_tokens} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s "
+          f"(prefill {s.prefill_tokens} tokens in {s.prefill_time:.2f} s; decode {s.decode_steps} "
+          f"steps, {decode_rate:.1f} tokens/s; {s.preemptions} preemptions)", file=log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

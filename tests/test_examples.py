@@ -1,0 +1,321 @@
+"""The example LLM engine (examples/llm) against a plain dense forward written here.
+
+The reference below shares no code with examples/llm: it reads the checkpoint with the official
+safetensors loader, runs every layer in float64 over the whole sequence (no cache, no paging) and
+picks tokens greedily. The engine must produce the same tokens for several prompts of different
+lengths batched together, also when the KV cache is so small that sequences wait and get
+preempted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from llm.config import UnsupportedModelError, parse_config  # noqa: E402
+from llm.engine import Engine  # noqa: E402
+from llm.runtime import load_model, make_cache  # noqa: E402
+from llm.sampling import SamplingParams, sample  # noqa: E402
+from make_tiny_llama import make_checkpoint  # noqa: E402
+
+PROMPTS = [[1, 17, 42], [1], [1, 5, 9, 200, 33, 7, 81, 64, 99], list(range(3, 23)),
+           [1, 250, 251]]
+MAX_NEW = 10
+
+# name -> make_checkpoint options. Weights are always written in float32 too, for the reference.
+MODELS = {
+    "llama": dict(arch="llama"),
+    "qwen2-bf16-sharded": dict(arch="qwen2", dtype="bfloat16", shards=2, seed=1),
+    "mistral-fp16": dict(arch="mistral", dtype="float16", seed=2),
+    "llama3-rope-tied": dict(arch="llama", rope_scaling="llama3", tie=True, seed=3),
+}
+
+
+# --- the independent float64 reference --------------------------------------------------------
+
+def reference_inv_freq(cfg):
+    dim = cfg["head_dim"]
+    inv = np.array([cfg["rope_theta"] ** (-(2 * i) / dim) for i in range(dim // 2)])
+    scaling = cfg.get("rope_scaling")
+    if scaling:  # llama3: per frequency, by wavelength band
+        f, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        out = []
+        for freq in inv:
+            wavelen = 2 * math.pi / freq
+            if wavelen < old / hi:
+                out.append(freq)
+            elif wavelen > old / lo:
+                out.append(freq / f)
+            else:
+                t = (old / wavelen - lo) / (hi - lo)
+                out.append((1 - t) * freq / f + t * freq)
+        inv = np.array(out)
+    return inv
+
+
+def reference_logits(model, ids):
+    """float64 logits [len(ids), vocab] of a dense causal forward over the whole sequence."""
+    cfg, w = model["config"], model["tensors"]
+    n, heads, kv_heads, d = (len(ids), cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                             cfg["head_dim"])
+    eps = cfg["rms_norm_eps"]
+
+    def norm(x, weight):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+    def proj(x, name):
+        y = x @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if name + ".bias" in w else y
+
+    angles = np.arange(n)[:, None] * reference_inv_freq(cfg)[None, :]   # [n, d/2]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+
+    def rope(x):  # pairs (x_i, x_{i+d/2}) rotate by angle_i
+        a, b = x[..., :d // 2], x[..., d // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    mask = np.tril(np.ones((n, n), dtype=bool))
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = rope(proj(h, p + "self_attn.q_proj").reshape(n, heads, d))
+        k = rope(proj(h, p + "self_attn.k_proj").reshape(n, kv_heads, d))
+        v = proj(h, p + "self_attn.v_proj").reshape(n, kv_heads, d)
+        attn = np.empty((n, heads, d))
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            scores = q[:, head] @ k[:, kv].T / math.sqrt(d)
+            scores = np.where(mask, scores, -np.inf)
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+            attn[:, head] = probs @ v[:, kv]
+        x = x + proj(attn.reshape(n, heads * d), p + "self_attn.o_proj")
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = proj(h, p + "mlp.gate_proj"), proj(h, p + "mlp.up_proj")
+        x = x + proj(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj")
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return norm(x, w["model.norm.weight"]) @ head.T
+
+
+def reference_greedy(model, prompt, max_new, eos=()):
+    ids = list(prompt)
+    for _ in range(max_new):
+        token = int(np.argmax(reference_logits(model, ids)[-1]))
+        ids.append(token)
+        if token in eos:
+            break
+    return ids[len(prompt):]
+
+
+def build_model(root: Path, name: str):
+    """Write checkpoint `name` (its own dtype) plus a float32 twin for the reference, which gets
+    the float32 weights rounded to the checkpoint dtype, in float64."""
+    options = MODELS[name]
+    path = make_checkpoint(root / name, **options)
+    twin = make_checkpoint(root / (name + "-f32"), **dict(options, dtype="float32", shards=1),
+                           tokenizer=False)
+    rounding = {"float32": np.float32, "float16": np.float16,
+                "bfloat16": ml_dtypes.bfloat16}[options.get("dtype", "float32")]
+    tensors = {k: v.astype(rounding).astype(np.float64)
+               for k, v in load_file(twin / "model.safetensors").items()}
+    config = json.loads((path / "config.json").read_text())
+    return {"path": path, "config": config, "tensors": tensors}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build_model(root, name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """Reference greedy outputs (EOS ignored) of every model and prompt."""
+    return {name: [reference_greedy(m, p, MAX_NEW) for p in PROMPTS] for name, m in models.items()}
+
+
+def run_engine(path, prompts, *, num_blocks=64, block_size=16, attention="paged", backend="numpy",
+               params=None, seed=0, dtype="auto", **engine_kwargs):
+    model, backend = load_model(path, backend=backend, dtype=dtype, progress=False)
+    cache = make_cache(model, num_blocks, block_size, backend)
+    engine = Engine(model, cache, attention=attention, backend=backend, **engine_kwargs)
+    params = params or SamplingParams(max_new_tokens=MAX_NEW)
+    seqs = engine.generate(prompts, params, seed=seed)
+    return seqs, engine
+
+
+# --- engine vs reference -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_batch_matches_dense_reference(models, expected, name):
+    seqs, engine = run_engine(models[name]["path"], PROMPTS)
+    assert [s.output_ids for s in seqs] == expected[name]
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert engine.cache.num_free_blocks == 64  # every sequence freed its blocks
+
+
+def test_few_blocks_wait_and_preempt(models, expected):
+    # 8 blocks of 8 tokens: far fewer than the 5 sequences need together, so prompts wait for
+    # blocks to free up - same tokens as with a roomy cache.
+    seqs, engine = run_engine(models["llama"]["path"], PROMPTS, num_blocks=8, block_size=8)
+    assert [s.output_ids for s in seqs] == expected["llama"]
+    assert engine.cache.num_free_blocks == 8
+
+
+def test_preemption_recomputes_the_same_tokens(models):
+    # Four 8-token prompts fit one block each and are all admitted; each grows to 3 blocks, so
+    # the 8-block cache runs out mid-decode and the newest sequences are preempted, then
+    # recomputed from prompt + output when blocks free up.
+    model = models["llama"]
+    prompts = [[1] + [(7 * i + j) % 300 + 3 for j in range(7)] for i in range(4)]
+    seqs, engine = run_engine(model["path"], prompts, num_blocks=8, block_size=8,
+                              params=SamplingParams(max_new_tokens=16))
+    assert engine.stats.preemptions > 0
+    assert [s.output_ids for s in seqs] == [reference_greedy(model, p, 16) for p in prompts]
+    assert engine.cache.num_free_blocks == 8
+
+
+def test_max_batch_limits_running(models, expected):
+    seqs, _ = run_engine(models["llama"]["path"], PROMPTS, max_batch=2)
+    assert [s.output_ids for s in seqs] == expected["llama"]
+
+
+def test_naive_attention_path_matches(models, expected):
+    seqs, _ = run_engine(models["qwen2-bf16-sharded"]["path"], PROMPTS, attention="naive",
+                         block_size=8)
+    assert [s.output_ids for s in seqs] == expected["qwen2-bf16-sharded"]
+
+
+def test_eos_stops_a_sequence_early(models, expected):
+    ref = expected["llama"][2]
+    eos = ref[4]
+    stop = ref.index(eos)
+    seqs, _ = run_engine(models["llama"]["path"], PROMPTS, eos_ids=[eos])
+    assert seqs[2].output_ids == ref[:stop + 1] and seqs[2].finish_reason == "stop"
+    for seq, want in zip(seqs, expected["llama"]):  # the others stop at their own first `eos`
+        cut = want.index(eos) + 1 if eos in want else len(want)
+        assert seq.output_ids == want[:cut]
+
+
+def test_prompt_larger_than_cache_is_reported_not_raised(models, expected):
+    long_prompt = list(range(3, 60))
+    seqs, _ = run_engine(models["llama"]["path"], [long_prompt] + PROMPTS[:2], num_blocks=4,
+                         block_size=8)
+    assert seqs[0].finish_reason == "cache_too_small" and seqs[0].output_ids == []
+    assert [s.output_ids for s in seqs[1:]] == expected["llama"][:2]
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(models):
+    path = models["llama"]["path"]
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, top_k=40)
+    batch, _ = run_engine(path, PROMPTS, params=params, seed=7)
+    again, _ = run_engine(path, PROMPTS, params=params, seed=7, num_blocks=8, block_size=8)
+    assert [s.output_ids for s in batch] == [s.output_ids for s in again]
+    other, _ = run_engine(path, PROMPTS, params=params, seed=8)
+    assert [s.output_ids for s in batch] != [s.output_ids for s in other]
+
+
+def test_top_k_one_is_greedy(models, expected):
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.5, top_k=1)
+    seqs, _ = run_engine(models["llama"]["path"], PROMPTS, params=params, seed=3)
+    assert [s.output_ids for s in seqs] == expected["llama"]
+
+
+def test_top_p_and_top_k_filters():
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([0.6, 0.25, 0.1, 0.05]))
+    top_p = SamplingParams(temperature=1.0, top_p=0.5)
+    assert {sample(logits, top_p, rng) for _ in range(200)} == {0}
+    top_p = SamplingParams(temperature=1.0, top_p=0.8)
+    assert {sample(logits, top_p, rng) for _ in range(400)} == {0, 1}
+    top_k = SamplingParams(temperature=1.0, top_k=3)
+    assert {sample(logits, top_k, rng) for _ in range(400)} == {0, 1, 2}
+
+
+# --- command line ------------------------------------------------------------------------------
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_json(models, expected):
+    path = models["llama"]["path"]
+    args = ["--model", str(path), "--backend", "numpy", "--max-new-tokens", str(MAX_NEW),
+            "--ignore-eos", "--json"]
+    for prompt in PROMPTS[:3]:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    result = run_cli(*args, "--num-blocks", "6", "--block-size", "8")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3  # nothing but the JSON objects on stdout
+    records = [json.loads(line) for line in lines]
+    assert [r["prompt_ids"] for r in records] == PROMPTS[:3]
+    assert [r["output_ids"] for r in records] == expected["llama"][:3]
+    assert "tokens/s" in result.stderr
+
+
+def test_cli_text_prompt(models):
+    pytest.importorskip("tokenizers")
+    result = run_cli("--model", str(models["llama"]["path"]), "--backend", "numpy",
+                     "--prompt", "Hello, world", "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                     "--temperature", "0.8", "--seed", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert records[0]["prompt_ids"][:3] == [1, 3 + ord("H"), 3 + ord("e")]  # <s> then bytes
+    assert len(records[0]["output_ids"]) <= 4 and "output_text" in records[0]
+
+
+def test_cli_rejects_fp8_kv_format(models):
+    result = run_cli("--model", str(models["llama"]["path"]), "--prompt-ids", "1,2",
+                     "--kv-format", "fp8")
+    assert result.returncode == 2
+    assert "fp8" in result.stderr and "not available yet" in result.stderr
+
+
+def test_cli_unsupported_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    result = run_cli("--model", str(tmp_path), "--prompt-ids", "1,2", "--backend", "numpy")
+    assert result.returncode == 2
+    assert "unsupported architecture" in result.stderr and "LlamaForCausalLM" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MixtralForCausalLM"]}, "unsupported architecture"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+])
+def test_unsupported_config_is_refused(models, change, message):
+    raw = dict(models["llama"]["config"], **change)
+    with pytest.raises(UnsupportedModelError, match=message):
+        parse_config(raw)
+
+
+def test_text_stream_handles_multibyte_characters(models):
+    pytest.importorskip("tokenizers")
+    from llm.tokenizer import TextStream, load_tokenizer
+    tokenizer = load_tokenizer(models["llama"]["path"])
+    text = "naïve café ✓ 日本"
+    ids = tokenizer.encode(text)
+    stream, pieces = TextStream(tokenizer), []
+    for i in range(1, len(ids) + 1):
+        pieces.append(stream.push(ids[:i]))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces)

@@ -1,0 +1,87 @@
+"""The example engine on the GPU (cupy + cupa kernels). Skips without a GPU.
+
+float32 compute must give exactly the float64 reference's greedy tokens (as the CPU path does);
+float16 / bfloat16 compute must give logits close to it at every step of the engine's own path.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cupa.arrays import gpu_available
+
+pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
+
+from test_examples import (MAX_NEW, MODELS, PROMPTS, ROOT, build_model,  # noqa: E402
+                           reference_greedy, reference_logits, run_engine)
+
+# ||logits - ref|| / ||ref|| bound per compute dtype (weights are rounded to the checkpoint dtype
+# in the reference too, so this measures activation / KV rounding only).
+LOGITS_BOUND = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-ckpt")
+    return {name: build_model(root, name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    return {name: [reference_greedy(m, p, MAX_NEW) for p in PROMPTS] for name, m in models.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gpu_float32_greedy_matches_reference(models, expected, name):
+    seqs, _ = run_engine(models[name]["path"], PROMPTS, backend="gpu", dtype="float32")
+    assert [s.output_ids for s in seqs] == expected[name]
+
+
+@pytest.mark.parametrize("attention", ["paged", "naive"])
+def test_gpu_few_blocks_and_naive_path(models, expected, attention):
+    seqs, engine = run_engine(models["llama"]["path"], PROMPTS, backend="gpu", dtype="float32",
+                              num_blocks=8, block_size=8, attention=attention)
+    assert [s.output_ids for s in seqs] == expected["llama"]
+    assert engine.cache.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2-bf16-sharded"])
+def test_gpu_logits_close_to_float64_reference(models, name, dtype):
+    model = models[name]
+    steps = {}  # seq_id -> list of host logits, one per generated token
+
+    def record(seqs, logits):
+        host = logits.get()
+        for row, seq in enumerate(seqs):
+            steps.setdefault(seq.seq_id, []).append(host[row].astype(np.float64))
+
+    seqs, engine = run_engine(model["path"], PROMPTS, backend="gpu", dtype=dtype,
+                              on_logits=record)
+    assert engine.model.dtype.name in (dtype, "float32")  # bf16 may fall back to float32
+    worst = 0.0
+    for seq in seqs:
+        full = seq.prompt_ids + seq.output_ids
+        ref = reference_logits(model, full[:-1])[len(seq.prompt_ids) - 1:]
+        got = np.stack(steps[seq.seq_id])
+        assert got.shape == ref.shape
+        worst = max(worst, float(np.max(np.linalg.norm(got - ref, axis=1) /
+                                        np.linalg.norm(ref, axis=1))))
+    assert worst <= LOGITS_BOUND[engine.model.dtype.name], worst
+
+
+def test_gpu_cli_json(models, expected):
+    args = [sys.executable, str(ROOT / "examples" / "generate.py"), "--model",
+            str(models["llama"]["path"]), "--backend", "gpu", "--dtype", "float32",
+            "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--json"]
+    for prompt in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["output_ids"] for r in records] == expected["llama"]
