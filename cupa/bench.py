@@ -26,6 +26,8 @@ def add_arguments(parser):
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--partition-size", type=int, default=None,
+                        help="force cupa's partition size (default: the planner's choice)")
     parser.add_argument("--iters", type=int, default=50, help="timed launches per figure")
     parser.add_argument("--no-peers", action="store_true", help="time cupa and the ceiling only")
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
@@ -167,7 +169,8 @@ def main(args) -> int:
         kv_bytes = 2 * batch * seq_len * args.kv_heads * args.head_size * query.dtype.itemsize
 
         def run_cupa():
-            decode(query, key, value, tables, lens, out=out, max_seq_len=seq_len)
+            decode(query, key, value, tables, lens, out=out, max_seq_len=seq_len,
+                   partition_size=args.partition_size)
         cupa_us = timer.median_us(run_cupa)
         peers = {}
         if not args.no_peers:

@@ -12,11 +12,6 @@ from dataclasses import dataclass
 from . import variants
 from .validation import DecodeShape
 
-# Fewest tokens a partition should hold: below this the fixed cost of a workgroup (loading the
-# queries, writing partials) outweighs the parallelism gained.
-MIN_PARTITION = 2 * variants.THREADS
-# Aim for this many workgroups per multiprocessor before splitting sequences further.
-WORKGROUPS_PER_SM = 4
 # Grid limits shared by CUDA and HIP for the y and z dimensions.
 MAX_GRID_YZ = 65535
 
@@ -46,12 +41,16 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     if partition_size is None:
         longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
         workgroups = shape.num_seqs * shape.num_kv_heads * head_chunks
-        wanted = WORKGROUPS_PER_SM * multiprocessors
-        if workgroups >= wanted:
+        # The variant says how short a partition may be (below that the fixed cost of a
+        # workgroup outweighs the parallelism) and how many workgroups fill the device.
+        # Splits are rounded to nearest: a grid just short of the target is not worth a reduce.
+        wanted = variant.workgroups_per_sm * multiprocessors
+        splits = max(1, round(wanted / max(workgroups, 1)))
+        if splits == 1:
             partition_size = capacity
         else:
-            splits = -(-wanted // max(workgroups, 1))
-            partition_size = max(MIN_PARTITION, _round_up(-(-longest // splits), variants.THREADS))
+            partition_size = max(variant.min_partition,
+                                 _round_up(-(-longest // splits), variant.min_partition))
             # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
             partition_size = max(partition_size, -(-capacity // MAX_GRID_YZ))
     else:

@@ -51,6 +51,10 @@ class DecodeVariant:
     head_size: int
     heads: int  # head tile
     source_file = "decode.cu"
+    # Partitioning hints for the planner: the fewest tokens a partition should hold, and how many
+    # workgroups per multiprocessor to aim for before splitting sequences further.
+    min_partition = 256
+    workgroups_per_sm = 4
 
     @property
     def tag(self) -> str:
@@ -87,6 +91,11 @@ class DecodeMmaVariant:
     head_size: int
     heads: int
     source_file = "decode_mma.cu"
+    # About 2 workgroups fit on a multiprocessor (~250 registers a thread): aim for one wave of
+    # long partitions. Shorter partitions and more waves were measured slower (docs/perf.md,
+    # v3-v4): each partition's fixed cost and the reduce pass outweigh the better balance.
+    min_partition = 256
+    workgroups_per_sm = 2
 
     @property
     def partition_name(self) -> str:

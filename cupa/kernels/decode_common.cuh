@@ -54,14 +54,19 @@ struct PagedRows {
     const i32* table;  // this sequence's block table row
     i64 head_offset;   // kv_head * block_size * D
     i64 block_stride;  // num_kv_heads * block_size * D
-    int block_size, num_blocks, end, D;
+    int shift;         // log2(block_size): block sizes are powers of two (checked on the host)
+    int num_blocks, end, D;
+
+    // Element offset of token t's row given its block id, or -1 for an id outside the cache
+    // (or the -1 that marks a token past `end`).
+    CUPA_FN i64 row_in_block(int block, int t) const {
+        if (block < 0 || block >= num_blocks) return -1;
+        return (i64)block * block_stride + head_offset + (i64)(t & ((1 << shift) - 1)) * D;
+    }
 
     // Element offset of token t's row, or -1 at or past `end` or in a block outside the cache.
     CUPA_FN i64 row(int t) const {
-        if (t >= end) return -1;
-        const int block = table[t / block_size];
-        if (block < 0 || block >= num_blocks) return -1;
-        return (i64)block * block_stride + head_offset + (i64)(t % block_size) * D;
+        return t < end ? row_in_block(table[t >> shift], t) : -1;
     }
 };
 
@@ -71,7 +76,7 @@ CUPA_FN PagedRows paged_rows(const PartitionWork& w, const i32* block_tables, in
     r.table = block_tables + (i64)w.seq * max_blocks_per_seq;
     r.head_offset = (i64)w.kv_head * block_size * D;
     r.block_stride = (i64)num_kv_heads * block_size * D;
-    r.block_size = block_size;
+    r.shift = __ffs(block_size) - 1;
     r.num_blocks = num_blocks;
     r.end = w.end;
     r.D = D;
@@ -144,6 +149,8 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
         w_s[tid] = p < n ? fast_exp2(pm[p] - global_max) : 0.0f;
         __syncthreads();
         const int count = cmin(CUPA_THREADS, n - base);
+        // Unrolled so that several partitions' loads are in flight at once.
+#pragma unroll 8
         for (int j = 0; j < count; ++j) {
             const float w = w_s[j];
             const float* row = pa + (i64)(base + j) * head_size;

@@ -104,22 +104,60 @@ CUPA_FN void merge_warps_and_store(const float (*o_s)[HT][D], const float (*m_s)
     }
 }
 
-// Rows of the paged K/V that a warp needs for one 16-token step, or -1 where unreadable.
-struct StepRows {
-    i64 k0, k1;  // K rows of tokens g and g + 8
-    i64 v[4];    // V rows of tokens 2c, 2c + 1, 2c + 8, 2c + 9
+// One 16-token step of a warp. A lane touches tokens g and g + 8 (K rows) and 2c, 2c + 1, 2c + 8,
+// 2c + 9 (V rows). The step is loaded in two stages, each one step ahead of its use:
+//   StepBlocks: the block ids of those six tokens (block-table reads);
+//   KvStep:     the K/V vectors themselves, whose addresses need the block ids.
+// So in steady state a warp has the table reads of step s + 2 and the K/V reads of step s + 1 in
+// flight while it computes step s, and no K/V load waits on a table read.
+struct StepBlocks {
+    i32 id[6];  // -1 past the partition's end
 };
 
-CUPA_FN StepRows step_rows(const PagedRows& rows, int base, int g, int c) {
-    StepRows r;
-    r.k0 = rows.row(base + g);
-    r.k1 = rows.row(base + g + 8);
-    r.v[0] = rows.row(base + 2 * c);
-    r.v[1] = rows.row(base + 2 * c + 1);
-    r.v[2] = rows.row(base + 2 * c + 8);
-    r.v[3] = rows.row(base + 2 * c + 9);
-    return r;
+CUPA_FN StepBlocks step_blocks(const PagedRows& rows, int base, int g, int c) {
+    const int offsets[6] = {g, g + 8, 2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
+    StepBlocks s;
+#pragma unroll
+    for (int i = 0; i < 6; ++i) {
+        const int t = base + offsets[i];
+        s.id[i] = t < rows.end ? rows.table[t >> rows.shift] : -1;
+    }
+    return s;
 }
+
+template <typename T, int D>
+struct KvStep {
+    static constexpr int QK_BLOCKS = D / 32;  // 16-byte K vectors per row a lane reads
+    static constexpr int V_VECS = D / 64;     // 16-byte V vectors per row a lane reads
+    cupa_u32x4 k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
+    bool k_valid[2], v_valid[4];
+
+    // V vector b of a lane starts at column v_col0 + b * v_stride (the kernels' V layouts differ).
+    CUPA_FN void load(const T* key_cache, const T* value_cache, const PagedRows& rows,
+                      const StepBlocks& blocks, int base, int g, int c, int v_col0,
+                      int v_stride) {
+        const int offsets[6] = {g, g + 8, 2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
+        i64 row[6];
+#pragma unroll
+        for (int i = 0; i < 6; ++i) row[i] = rows.row_in_block(blocks.id[i], base + offsets[i]);
+        const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int b = 0; b < QK_BLOCKS; ++b) {
+            k0[b] = row[0] >= 0 ? load16(key_cache + row[0] + 32 * b + 8 * c) : zero;
+            k1[b] = row[1] >= 0 ? load16(key_cache + row[1] + 32 * b + 8 * c) : zero;
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int b = 0; b < V_VECS; ++b)
+                v[t][b] = row[2 + t] >= 0
+                              ? load16(value_cache + row[2 + t] + v_col0 + b * v_stride) : zero;
+        k_valid[0] = row[0] >= 0;
+        k_valid[1] = row[1] >= 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v_valid[t] = row[2 + t] >= 0;
+    }
+};
 
 template <typename T>
 CUPA_FN cupa_u32x4 load_or_zero(const T* base, i64 row, int offset) {
@@ -141,7 +179,6 @@ CUPA_FN void decode_partition_mma16(
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
     constexpr int QK_BLOCKS = D / 32;       // 32-column blocks of the head dim (2 k16 steps each)
-    constexpr int V_BLOCKS = D / 64;        // 64-column blocks of V per token
     constexpr int NT = D / 8;               // n-tiles of the output
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
 
@@ -182,32 +219,27 @@ CUPA_FN void decode_partition_mma16(
     float m_lo = neg_inf(), m_hi = neg_inf();  // running max of rows g and g + 8 (log2 domain)
     float l_lo = 0.f, l_hi = 0.f;              // this lane's share of the running sums
 
-    for (int base = w.start + warp * STEP; base < w.end; base += NWARPS * STEP) {
-        // Issue every load of the step first.
-        const StepRows r = step_rows(rows, base, g, c);
-        cupa_u32x4 kv0[QK_BLOCKS], kv1[QK_BLOCKS];
-#pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            kv0[b] = load_or_zero(key_cache, r.k0, 32 * b + 8 * c);
-            kv1[b] = load_or_zero(key_cache, r.k1, 32 * b + 8 * c);
-        }
-        cupa_u32x4 vv[4][V_BLOCKS];
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int b = 0; b < V_BLOCKS; ++b)
-                vv[t][b] = load_or_zero(value_cache, r.v[t], 64 * b + 8 * g);
+    constexpr int STRIDE = NWARPS * STEP;
+    int base = w.start + warp * STEP;
+    KvStep<T, D> cur;
+    cur.load(key_cache, value_cache, rows, step_blocks(rows, base, g, c), base, g, c, 8 * g, 64);
+    StepBlocks blocks_next = step_blocks(rows, base + STRIDE, g, c);
+    for (; base < w.end; base += STRIDE) {
+        const StepBlocks blocks_after = step_blocks(rows, base + 2 * STRIDE, g, c);
+        KvStep<T, D> next;
+        if (base + STRIDE < w.end)
+            next.load(key_cache, value_cache, rows, blocks_next, base + STRIDE, g, c, 8 * g, 64);
 
         // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1).
         float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
-            MmaOp<T>::run(s0, qf[b][0], kv0[b].x, kv0[b].y);
-            MmaOp<T>::run(s0, qf[b][1], kv0[b].z, kv0[b].w);
-            MmaOp<T>::run(s1, qf[b][0], kv1[b].x, kv1[b].y);
-            MmaOp<T>::run(s1, qf[b][1], kv1[b].z, kv1[b].w);
+            MmaOp<T>::run(s0, qf[b][0], cur.k0[b].x, cur.k0[b].y);
+            MmaOp<T>::run(s0, qf[b][1], cur.k0[b].z, cur.k0[b].w);
+            MmaOp<T>::run(s1, qf[b][0], cur.k1[b].x, cur.k1[b].y);
+            MmaOp<T>::run(s1, qf[b][1], cur.k1[b].z, cur.k1[b].w);
         }
-        // Scale, ALiBi, mask. Element i: row g (i & 2 == 0) or g + 8, token r.v[i & 1 | (i & 4) >> 1].
+        // Scale, ALiBi, mask. Element i: row g (i & 2 == 0) or g + 8, V token (i & 1) | (i & 4) >> 1.
         float s[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -215,7 +247,8 @@ CUPA_FN void decode_partition_mma16(
             const int t = base + 2 * c + (i & 1) + (i & 4 ? 8 : 0);
             const float raw = i < 4 ? s0[i] : s1[i - 4];
             const float slope = (i & 2) ? slope_hi : slope_lo;
-            s[i] = r.v[tok] >= 0 ? raw * qk_scale + slope * (float)(t - (w.seq_len - 1)) : neg_inf();
+            s[i] = cur.v_valid[tok] ? raw * qk_scale + slope * (float)(t - (w.seq_len - 1))
+                                    : neg_inf();
         }
         // Online softmax per row; the four lanes of a quad share a row.
         float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
@@ -247,9 +280,11 @@ CUPA_FN void decode_partition_mma16(
             acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
             acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
             const int b = j >> 3, e = j & 7;
-            MmaOp<T>::run(acc[j], pf, pair_halves(vv[0][b], vv[1][b], e),
-                          pair_halves(vv[2][b], vv[3][b], e));
+            MmaOp<T>::run(acc[j], pf, pair_halves(cur.v[0][b], cur.v[1][b], e),
+                          pair_halves(cur.v[2][b], cur.v[3][b], e));
         }
+        cur = next;
+        blocks_next = blocks_after;
     }
 
     // Each warp leaves its rows' max, sum and unnormalised output for the merge.
@@ -281,29 +316,6 @@ CUPA_FN void decode_partition_mma16(
 // lane's rows of every m-tile are D/8 contiguous columns). P^T reaches the B layout of the PV
 // product through one movmatrix transpose per 8x8 tile. K and V of the next step are loaded
 // while the current one is computed.
-template <typename T, int D>
-struct Mma8Step {
-    static constexpr int QK_BLOCKS = D / 32;
-    static constexpr int V_VECS = D / 64;  // 16-byte vectors of a lane's V columns per token
-    cupa_u32x4 k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
-    StepRows r;
-
-    CUPA_FN void load(const T* key_cache, const T* value_cache, const PagedRows& rows, int base,
-                      int g, int c) {
-        r = step_rows(rows, base, g, c);
-#pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            k0[b] = load_or_zero(key_cache, r.k0, 32 * b + 8 * c);
-            k1[b] = load_or_zero(key_cache, r.k1, 32 * b + 8 * c);
-        }
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int b = 0; b < V_VECS; ++b)
-                v[t][b] = load_or_zero(value_cache, r.v[t], (D / 8) * g + 8 * b);
-    }
-};
-
 CUPA_FN u32 transpose8x8(u32 x) {
     u32 y;
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
@@ -359,13 +371,17 @@ CUPA_FN void decode_partition_mma8(
     float m_e = neg_inf(), m_o = neg_inf();  // running max of heads 2c and 2c + 1
     float l_e = 0.f, l_o = 0.f;              // this lane's share of their sums
 
+    constexpr int STRIDE = NWARPS * STEP;
+    const int v_col0 = (D / 8) * g;  // a lane's V columns: D/8 contiguous ones
     int base = w.start + warp * STEP;
-    Mma8Step<T, D> cur;
-    if (base < w.end) cur.load(key_cache, value_cache, rows, base, g, c);
-    for (; base < w.end; base += NWARPS * STEP) {
-        Mma8Step<T, D> next;
-        const int next_base = base + NWARPS * STEP;
-        if (next_base < w.end) next.load(key_cache, value_cache, rows, next_base, g, c);
+    KvStep<T, D> cur;
+    cur.load(key_cache, value_cache, rows, step_blocks(rows, base, g, c), base, g, c, v_col0, 8);
+    StepBlocks blocks_next = step_blocks(rows, base + STRIDE, g, c);
+    for (; base < w.end; base += STRIDE) {
+        const StepBlocks blocks_after = step_blocks(rows, base + 2 * STRIDE, g, c);
+        KvStep<T, D> next;
+        if (base + STRIDE < w.end)
+            next.load(key_cache, value_cache, rows, blocks_next, base + STRIDE, g, c, v_col0, 8);
 
         // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), heads 2c, 2c+1.
         float st[4] = {0.f, 0.f, 0.f, 0.f};
@@ -379,10 +395,10 @@ CUPA_FN void decode_partition_mma8(
         const float d0 = (float)(base + g - (w.seq_len - 1));
         const float d1 = d0 + 8.f;
         float s[4];
-        s[0] = cur.r.k0 >= 0 ? st[0] * qk_scale + slope_e * d0 : neg_inf();
-        s[1] = cur.r.k0 >= 0 ? st[1] * qk_scale + slope_o * d0 : neg_inf();
-        s[2] = cur.r.k1 >= 0 ? st[2] * qk_scale + slope_e * d1 : neg_inf();
-        s[3] = cur.r.k1 >= 0 ? st[3] * qk_scale + slope_o * d1 : neg_inf();
+        s[0] = cur.k_valid[0] ? st[0] * qk_scale + slope_e * d0 : neg_inf();
+        s[1] = cur.k_valid[0] ? st[1] * qk_scale + slope_o * d0 : neg_inf();
+        s[2] = cur.k_valid[1] ? st[2] * qk_scale + slope_e * d1 : neg_inf();
+        s[3] = cur.k_valid[1] ? st[3] * qk_scale + slope_o * d1 : neg_inf();
         // Online softmax per head (column): the 8 lanes with the same c share a head pair.
         float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
 #pragma unroll
@@ -416,6 +432,7 @@ CUPA_FN void decode_partition_mma8(
             MmaOp<T>::run(acc[i], a, pb0, pb1);
         }
         cur = next;
+        blocks_next = blocks_after;
     }
 
 #pragma unroll
