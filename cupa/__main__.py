@@ -61,7 +61,7 @@ def _compile_one(job):
 def compile_all(targets, jobs=None, progress=True):
     """Compile every variant for every target; returns {(variant, arch): (ok, detail)}."""
     from . import variants
-    work = [(v, a) for v in variants.all_variants() for a in targets]
+    work = [(v, a) for a in targets for v in variants.all_variants(a)]
     results = {}
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
@@ -87,6 +87,9 @@ def cmd_compile(args) -> int:
     for v in variants.all_variants():
         cells = []
         for t in targets:
+            if (v, t) not in results:  # a family that does not exist for this target
+                cells.append(f"{'-':>8}")
+                continue
             ok, detail = results[(v, t)]
             cells.append(f"{'ok' if ok else 'FAIL':>8}")
             if not ok:

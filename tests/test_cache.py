@@ -89,11 +89,6 @@ def make_cache(num_blocks=64, dtype="float32", block_size=8, prefix=False, layer
                              enable_prefix_caching=prefix)
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng(1234)
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_decode_matches_contiguous_layout(rng, dtype):
     cache = make_cache(dtype=dtype)

@@ -40,6 +40,6 @@ def test_every_variant_compiles(results, target):
     failed = {v.entry_names[0]: detail for (v, t), (ok, detail) in results.items()
               if t == target and not ok}
     compiled = sum(1 for (v, t) in results if t == target)
-    assert compiled == len(variants.all_variants())
+    assert compiled == len(variants.all_variants(target)) > 0
     assert not failed, f"{len(failed)} variants failed on {target}:\n" + "\n".join(
         f"{name}: {detail[:2000]}" for name, detail in list(failed.items())[:3])

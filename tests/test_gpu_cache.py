@@ -16,14 +16,6 @@ from cases import DTYPES, REL_BOUND, rel_error
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
 
-@pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def bits(array):
     """Raw bits of a host or device array, for bit-exact comparisons (NaN == NaN)."""
     host = cupa.arrays.to_host(array)

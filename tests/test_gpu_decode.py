@@ -25,15 +25,6 @@ PARTITION = 256  # forced small partition size: exercises the reduce path with s
 LENGTHS = (1, 127, 128, 129, PARTITION - 1, PARTITION, PARTITION + 1, 2 * PARTITION + 3, 2000)
 
 
-@pytest.fixture
-def rng(request):
-    # Fresh inputs on every run, reproducible from the seed printed on failure.
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def to_gpu(case):
     import cupy
     return [cupy.asarray(x) for x in case.args()], (

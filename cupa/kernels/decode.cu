@@ -40,13 +40,7 @@ struct PvLayout {
 
 template <typename T, int D, int HT>
 CUPA_FN void decode_partition(
-    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
-    float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query,
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
-    const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,
-    const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,
-    i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,
-    i32 max_partitions, i32 head_chunks) {
+    CUPA_PARTITION_PARAMS(T)) {
     typedef PvLayout<T, D, HT> L;
     constexpr int TILE = CUPA_THREADS;
     constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
@@ -235,15 +229,7 @@ CUPA_FN void decode_partition(
 // name. The host appends CUPA_DECODE_VARIANT / CUPA_REDUCE_VARIANT lines for what it needs
 // (CUPA_REDUCE_VARIANT lives in decode_common.cuh).
 #define CUPA_DECODE_VARIANT(NAME, T, D, HT)                                                      \
-    extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
-        T* out, float* lse, float* part_acc, float* part_max, float* part_sum, const T* query,   \
-        const T* key_cache, const T* value_cache, const i32* block_tables, const i32* seq_lens,  \
-        const float* alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads, i32 block_size, \
-        i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size, i32 max_partitions,         \
-        i32 head_chunks) {                                                                       \
-        cupa::decode_partition<T, D, HT>(out, lse, part_acc, part_max, part_sum, query,         \
-                                         key_cache, value_cache, block_tables, seq_lens,         \
-                                         alibi_slopes, scale, num_heads, num_kv_heads,           \
-                                         block_size, max_blocks_per_seq, num_blocks,             \
-                                         partition_size, max_partitions, head_chunks);           \
+    extern "C" __global__ void __launch_bounds__(CUPA_THREADS)                                  \
+        NAME(CUPA_PARTITION_PARAMS(T)) {                                                         \
+        cupa::decode_partition<T, D, HT>(CUPA_PARTITION_ARGS);                                   \
     }

@@ -12,6 +12,21 @@ constexpr float LN2 = 0.6931471805599453f;
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
+// The argument list every phase-1 kernel takes, in the order gpu.py passes it. A macro, so the
+// kernels and their extern "C" wrappers cannot drift apart.
+#define CUPA_PARTITION_PARAMS(T)                                                                 \
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                 \
+        float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query, \
+        const T* __restrict__ key_cache, const T* __restrict__ value_cache,                      \
+        const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,                  \
+        const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,    \
+        i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
+        i32 max_partitions, i32 head_chunks
+#define CUPA_PARTITION_ARGS                                                                      \
+    out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, block_tables,         \
+        seq_lens, alibi_slopes, scale, num_heads, num_kv_heads, block_size, max_blocks_per_seq,  \
+        num_blocks, partition_size, max_partitions, head_chunks
+
 // The slice of work of one phase-1 workgroup: grid x = (KV head, head chunk), y = partition,
 // z = sequence. Lengths are clamped to the table's capacity, so a bad length on the device can
 // never make a kernel read past the block table.

@@ -168,13 +168,7 @@ CUPA_FN cupa_u32x4 load_or_zero(const T* base, i64 row, int offset) {
 // ---- Group of 9-16 query heads: heads are the M=16 rows (S = Q K^T, O = P V). ----------------
 template <typename T, int D>
 CUPA_FN void decode_partition_mma16(
-    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
-    float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query,
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
-    const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,
-    const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,
-    i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,
-    i32 max_partitions, i32 head_chunks) {
+    CUPA_PARTITION_PARAMS(T)) {
     constexpr int HT = 16;                  // heads per workgroup = mma M
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
@@ -324,13 +318,7 @@ CUPA_FN u32 transpose8x8(u32 x) {
 
 template <typename T, int D>
 CUPA_FN void decode_partition_mma8(
-    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
-    float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query,
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
-    const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,
-    const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,
-    i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,
-    i32 max_partitions, i32 head_chunks) {
+    CUPA_PARTITION_PARAMS(T)) {
     constexpr int HT = 8;                   // heads per workgroup = mma N
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int STEP = 16;
@@ -460,14 +448,7 @@ CUPA_FN void decode_partition_mma8(
 }  // namespace cupa
 
 #define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, D)                                              \
-    extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS) NAME(       \
-        T* out, float* lse, float* part_acc, float* part_max, float* part_sum, const T* query,   \
-        const T* key_cache, const T* value_cache, const i32* block_tables, const i32* seq_lens,  \
-        const float* alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads, i32 block_size, \
-        i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size, i32 max_partitions,         \
-        i32 head_chunks) {                                                                       \
-        cupa::KERNEL<T, D>(out, lse, part_acc, part_max, part_sum, query, key_cache,            \
-                           value_cache, block_tables, seq_lens, alibi_slopes, scale, num_heads,  \
-                           num_kv_heads, block_size, max_blocks_per_seq, num_blocks,             \
-                           partition_size, max_partitions, head_chunks);                         \
+    extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS)             \
+        NAME(CUPA_PARTITION_PARAMS(T)) {                                                         \
+        cupa::KERNEL<T, D>(CUPA_PARTITION_ARGS);                                                 \
     }
