@@ -31,15 +31,15 @@ def kernels(variant, device_index: int | None = None) -> dict:
     cupa.variants).
     """
     info = device_info(device_index)
-    key = (info.index, variant)
+    options = info.target.runtime_options()
+    key = (info.index, variant, options)
     compiled = _modules.get(key)
     if compiled is None:
         with _lock:
             compiled = _modules.get(key)
             if compiled is None:
                 cupy = cupy_module()
-                module = cupy.RawModule(code=variants.module_source(variant),
-                                        options=info.target.runtime_options())
+                module = cupy.RawModule(code=variants.module_source(variant), options=options)
                 compiled = {name: module.get_function(name) for name in variant.entry_names}
                 _modules[key] = compiled
     return compiled

@@ -55,15 +55,18 @@ class DeviceInfo:
     shared_memory_per_block: int
 
 
-@functools.lru_cache(maxsize=None)
 def device_info(index: int | None = None) -> DeviceInfo:
     """Facts about a cupy device (the current one by default). Raises if no GPU is usable."""
     cupy = cupy_module()
     if cupy is None:
         raise RuntimeError("cupy is not installed: install cupa[cuda12], cupa[cuda13] or "
                            "cupa[rocm], or use backend='numpy'")
-    if index is None:
-        index = cupy.cuda.Device().id
+    return _device_info(cupy.cuda.Device().id if index is None else int(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> DeviceInfo:
+    cupy = cupy_module()
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     if cupy.cuda.runtime.is_hip:
