@@ -23,8 +23,8 @@ def resolve_backend(backend: str | None) -> str:
 
 
 def decode(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
-           alibi_slopes=None, out=None, return_lse=False, partition_size=None, max_seq_len=None,
-           stream=None, backend=None):
+           alibi_slopes=None, sliding_window=None, logits_soft_cap=None, sinks=None, out=None,
+           return_lse=False, partition_size=None, max_seq_len=None, stream=None, backend=None):
     """Paged decode attention: one new query token per sequence against its cached K/V.
 
     query         [num_seqs, num_heads, head_size], float16 / bfloat16 (ml_dtypes) / float32
@@ -34,6 +34,12 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
     seq_lens      int32 [num_seqs]: tokens of each sequence (0 gives a zero row, lse = -inf)
     scale         logit scale, default head_size ** -0.5
     alibi_slopes  float32 [num_heads]: adds slope * (j - (seq_len - 1)) to the logit of token j
+    sliding_window  W: attend only to the last W positions (j >= seq_len - W); work and bytes
+                  scale with W, not with seq_len
+    logits_soft_cap c: logits become c * tanh(logit / c) before the softmax (Gemma 2 style;
+                  applied to scale * q.k, before ALiBi)
+    sinks         float32 [num_heads]: one extra logit per head that joins the softmax
+                  denominator only (an "attention sink"; a length-0 sequence then has lse = sink)
     out           optional output array to fill (same shape and dtype as query)
     return_lse    also return float32 [num_seqs, num_heads], the natural log of the softmax
                   denominator (scale and ALiBi included)
@@ -51,15 +57,16 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
     outside [0, num_blocks) as empty. Host (numpy) tables are checked fully.
     """
     backend = resolve_backend(backend)
-    inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, sinks)
     host_tables = not arrays.is_device_array(block_tables) and not arrays.is_device_array(seq_lens)
     convert = arrays.to_device if backend == "gpu" else arrays.to_host
-    q, k, v, tables, lens, slopes = (convert(x) for x in inputs)
+    q, k, v, tables, lens, slopes, sink_logits = (convert(x) for x in inputs)
     device_out = out is not None and arrays.is_device_array(out)
     out_view = arrays.to_device(out) if device_out else out
 
     shape = check_decode_args(q, k, v, tables, lens, scale=scale, alibi_slopes=slopes,
-                              out=out_view)
+                              out=out_view, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap, sinks=sink_logits)
     if host_tables or backend == "numpy":
         host_lens = arrays.to_host(seq_lens)
         check_table_contents(shape, arrays.to_host(block_tables), host_lens)
@@ -71,13 +78,14 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
         cupy = arrays.cupy_module()
         with stream if stream is not None else cupy.cuda.get_current_stream():
             result, lse = decode_gpu(q, k, v, tables, lens, shape, alibi_slopes=slopes,
-                                     out=out_view if device_out else None,
+                                     sinks=sink_logits, out=out_view if device_out else None,
                                      return_lse=return_lse, partition_size=partition_size,
                                      max_seq_len=max_seq_len)
     else:
         from .reference import paged_decode_reference
-        ref_out, ref_lse = paged_decode_reference(q, k, v, tables, lens, scale=shape.scale,
-                                                  alibi_slopes=slopes)
+        ref_out, ref_lse = paged_decode_reference(
+            q, k, v, tables, lens, scale=shape.scale, alibi_slopes=slopes,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sink_logits)
         result = ref_out.astype(q.dtype)
         lse = ref_lse.astype(np.float32) if return_lse else None
 

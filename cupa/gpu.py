@@ -22,7 +22,7 @@ def _ptr(array):
 
 
 def decode_gpu(query, key_cache, value_cache, block_tables, seq_lens, shape, *, alibi_slopes,
-               out, return_lse, partition_size, max_seq_len):
+               sinks, out, return_lse, partition_size, max_seq_len):
     cupy = cupy_module()
     info = device_info()
     plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
@@ -47,13 +47,15 @@ def decode_gpu(query, key_cache, value_cache, block_tables, seq_lens, shape, *, 
     grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
     kernels[plan.variant.partition_name](grid, (variants.THREADS,), (
         out, _ptr(lse), _ptr(part_acc), _ptr(part_max), _ptr(part_sum), query, key_cache,
-        value_cache, block_tables, seq_lens, _ptr(alibi_slopes), np.float32(shape.scale),
+        value_cache, block_tables, seq_lens, _ptr(alibi_slopes), _ptr(sinks),
+        np.float32(shape.scale), np.float32(shape.logits_soft_cap), i32(shape.sliding_window),
         i32(shape.num_heads), i32(shape.num_kv_heads), i32(shape.block_size),
         i32(shape.max_blocks_per_seq), i32(shape.num_blocks), i32(plan.partition_size),
         i32(plan.max_partitions), i32(plan.head_chunks)))
     if not plan.single_partition:
         kernels[plan.variant.reduce_name]((shape.num_seqs * shape.num_heads,), (variants.THREADS,), (
-            out, _ptr(lse), part_acc, part_max, part_sum, seq_lens, i32(shape.num_heads),
+            out, _ptr(lse), part_acc, part_max, part_sum, seq_lens, _ptr(sinks),
+            i32(shape.sliding_window), i32(shape.num_heads),
             i32(shape.head_size), i32(plan.partition_size), i32(plan.max_partitions),
             i32(shape.capacity)))
     return out, lse

@@ -40,6 +40,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     capacity = shape.capacity
     if partition_size is None:
         longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
+        if shape.sliding_window:  # only the window's partitions do work
+            longest = min(longest, shape.sliding_window)
         workgroups = shape.num_seqs * shape.num_kv_heads * head_chunks
         # The variant says how short a partition may be (below that the fixed cost of a
         # workgroup outweighs the parallelism) and how many workgroups fill the device.

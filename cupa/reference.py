@@ -10,7 +10,8 @@ import numpy as np
 
 
 def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, *,
-                           scale=None, alibi_slopes=None):
+                           scale=None, alibi_slopes=None, sliding_window=None,
+                           logits_soft_cap=None, sinks=None):
     """Attention of one new token per sequence over its paged KV history, in float64.
 
     query          [num_seqs, num_heads, head_size]
@@ -18,8 +19,12 @@ def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens
     value_cache    [num_blocks, num_kv_heads, block_size, head_size]
     block_tables   [num_seqs, max_blocks_per_seq] int
     seq_lens       [num_seqs] int
+    sliding_window   W: only the last W positions (j >= seq_len - W) are attended
+    logits_soft_cap  c: each logit scale*q.k becomes c*tanh(scale*q.k / c) (before ALiBi)
+    sinks            [num_heads]: one extra logit per head that joins the softmax denominator
+                     only (it has no value row)
     Returns (out float64 [num_seqs, num_heads, head_size], lse float64 [num_seqs, num_heads]), where
-    lse is the natural log of the softmax denominator of the scaled (and ALiBi-biased) logits.
+    lse is the natural log of the softmax denominator (sink included).
     """
     query = np.asarray(query, dtype=np.float64)
     key_cache = np.asarray(key_cache)
@@ -34,9 +39,8 @@ def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens
     lse = np.full((num_seqs, num_heads), -np.inf, dtype=np.float64)
     for s in range(num_seqs):
         n = int(seq_lens[s])
-        if n == 0:
-            continue
-        positions = np.arange(n)
+        first = 0 if sliding_window is None else max(0, n - int(sliding_window))
+        positions = np.arange(first, n)
         blocks = np.asarray(block_tables[s])[positions // block_size]
         offsets = positions % block_size
         for h in range(num_heads):
@@ -44,11 +48,18 @@ def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens
             keys = key_cache[blocks, kv_head, offsets].astype(np.float64)      # [n, head_size]
             values = value_cache[blocks, kv_head, offsets].astype(np.float64)  # [n, head_size]
             logits = scale * (keys @ query[s, h])
+            if logits_soft_cap is not None:
+                logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
             if alibi_slopes is not None:
                 logits = logits + float(alibi_slopes[h]) * (positions - (n - 1))
-            peak = logits.max()
+            # The sink is one more logit in the denominator, with no value row.
+            extra = [] if sinks is None else [float(sinks[h])]
+            every = np.concatenate([logits, extra])
+            if every.size == 0:
+                continue
+            peak = every.max()
             weights = np.exp(logits - peak)
-            denominator = weights.sum()
+            denominator = np.exp(every - peak).sum()
             out[s, h] = (weights @ values) / denominator
             lse[s, h] = peak + np.log(denominator)
     return out, lse

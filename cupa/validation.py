@@ -35,6 +35,9 @@ class DecodeShape:
     dtype: str
     scale: float
     has_alibi: bool
+    sliding_window: int = 0      # 0: attend to every position
+    logits_soft_cap: float = 0.0  # 0: no soft-capping
+    has_sinks: bool = False
 
     @property
     def group(self) -> int:
@@ -57,8 +60,18 @@ def _require_c_contiguous(name, array):
                          f"for shape {tuple(array.shape)}); pass a contiguous copy")
 
 
+def _check_per_head(name, array, num_heads):
+    if array is None:
+        return
+    if tuple(array.shape) != (num_heads,):
+        raise _shape_error(name, f"[{num_heads}]", array.shape)
+    if dtype_name(array.dtype) != "float32":
+        raise TypeError(f"{name}: dtype must be float32, got {dtype_name(array.dtype)}")
+
+
 def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
-                      scale=None, alibi_slopes=None, out=None) -> DecodeShape:
+                      scale=None, alibi_slopes=None, out=None, sliding_window=None,
+                      logits_soft_cap=None, sinks=None) -> DecodeShape:
     """Validate metadata of the decode arguments and return the problem's shape."""
     if query.ndim != 3:
         raise _shape_error("query", "[num_seqs, num_heads, head_size]", query.shape)
@@ -107,12 +120,21 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
     _require_c_contiguous("query", query)
     _require_c_contiguous("seq_lens", seq_lens)
 
-    if alibi_slopes is not None:
-        if tuple(alibi_slopes.shape) != (num_heads,):
-            raise _shape_error("alibi_slopes", f"[{num_heads}]", alibi_slopes.shape)
-        if dtype_name(alibi_slopes.dtype) != "float32":
-            raise TypeError(f"alibi_slopes: dtype must be float32, got "
-                            f"{dtype_name(alibi_slopes.dtype)}")
+    _check_per_head("alibi_slopes", alibi_slopes, num_heads)
+    _check_per_head("sinks", sinks, num_heads)
+    window = 0
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window \
+                or not 1 <= int(sliding_window) < 2**31:
+            raise ValueError(f"sliding_window: must be a positive int (tokens) or None, got "
+                             f"{sliding_window!r}")
+        window = int(sliding_window)
+    soft_cap = 0.0
+    if logits_soft_cap is not None:
+        soft_cap = float(logits_soft_cap)
+        if not (np.isfinite(soft_cap) and soft_cap > 0):
+            raise ValueError(f"logits_soft_cap: must be a positive finite float or None, got "
+                             f"{logits_soft_cap!r}")
     if out is not None:
         if tuple(out.shape) != tuple(query.shape):
             raise _shape_error("out", tuple(query.shape), out.shape)
@@ -129,7 +151,8 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
     return DecodeShape(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_size=head_size, num_blocks=num_blocks, block_size=block_size,
                        max_blocks_per_seq=int(block_tables.shape[1]), dtype=dtype, scale=scale,
-                       has_alibi=alibi_slopes is not None)
+                       has_alibi=alibi_slopes is not None, sliding_window=window,
+                       logits_soft_cap=soft_cap, has_sinks=sinks is not None)
 
 
 def check_table_contents(shape: DecodeShape, block_tables: np.ndarray, seq_lens: np.ndarray):

@@ -21,14 +21,26 @@ class Case:
     seq_lens: np.ndarray
     alibi_slopes: np.ndarray | None
     scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: np.ndarray | None = None
 
     def args(self):
         return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens)
 
+    def options(self, to_array=lambda a: a):
+        """The keyword options of this case, for `cupa.decode` and the reference alike;
+        `to_array` moves the per-head arrays (e.g. to the GPU)."""
+        per_head = {"alibi_slopes": self.alibi_slopes, "sinks": self.sinks}
+        return dict(scale=self.scale, sliding_window=self.sliding_window,
+                    logits_soft_cap=self.logits_soft_cap,
+                    **{k: None if v is None else to_array(v) for k, v in per_head.items()})
+
 
 def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_heads=2, group=1,
               seq_lens=(1, 17, 300), alibi=False, num_blocks=None, spare_columns=2,
-              shared_blocks=True) -> Case:
+              shared_blocks=True, sliding_window=None, logits_soft_cap=None,
+              sinks=False) -> Case:
     """A fresh random problem.
 
     Block tables draw ids with replacement when `shared_blocks` (blocks repeat within and across
@@ -66,9 +78,12 @@ def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_head
     slopes = None
     if alibi:
         slopes = (2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads)).astype(np.float32)
+    sink_logits = rng.normal(1.0, 2.0, size=num_heads).astype(np.float32) if sinks else None
     return Case(query=query.astype(np_dtype), key_cache=key_cache.astype(np_dtype),
                 value_cache=value_cache.astype(np_dtype), block_tables=block_tables,
-                seq_lens=seq_lens, alibi_slopes=slopes, scale=float(head_size ** -0.5))
+                seq_lens=seq_lens, alibi_slopes=slopes, scale=float(head_size ** -0.5),
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                sinks=sink_logits)
 
 
 def rel_error(out, ref) -> float:

@@ -26,9 +26,9 @@ LENGTHS = (1, 127, 128, 129, PARTITION - 1, PARTITION, PARTITION + 1, 2 * PARTIT
 
 
 def to_gpu(case):
+    """The case's arrays and keyword options, on the GPU."""
     import cupy
-    return [cupy.asarray(x) for x in case.args()], (
-        None if case.alibi_slopes is None else cupy.asarray(case.alibi_slopes))
+    return [cupy.asarray(x) for x in case.args()], case.options(cupy.asarray)
 
 
 def kernel_modes(case):
@@ -44,15 +44,14 @@ def kernel_modes(case):
 def run_and_check(case, dtype, **kwargs):
     """Decode on the GPU with a NaN-poisoned output, three partitionings and every kernel that
     applies, against the reference."""
-    ref_out, ref_lse = paged_decode_reference(*case.args(), scale=case.scale,
-                                              alibi_slopes=case.alibi_slopes)
-    args, slopes = to_gpu(case)
+    ref_out, ref_lse = paged_decode_reference(*case.args(), **case.options())
+    args, options = to_gpu(case)
     capacity = case.block_tables.shape[1] * case.key_cache.shape[2]
     saved = os.environ.get("CUPA_KERNEL")
     try:
         for mode in kernel_modes(case):
             os.environ["CUPA_KERNEL"] = mode
-            check_partitionings(case, dtype, args, slopes, capacity, ref_out, ref_lse, mode,
+            check_partitionings(case, dtype, args, options, capacity, ref_out, ref_lse, mode,
                                 **kwargs)
     finally:
         if saved is None:
@@ -61,11 +60,11 @@ def run_and_check(case, dtype, **kwargs):
             os.environ["CUPA_KERNEL"] = saved
 
 
-def check_partitionings(case, dtype, args, slopes, capacity, ref_out, ref_lse, mode, **kwargs):
+def check_partitionings(case, dtype, args, options, capacity, ref_out, ref_lse, mode, **kwargs):
     import cupy
     for partition_size in (PARTITION, None, capacity):
         out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
-        result, lse = cupa.decode(*args, scale=case.scale, alibi_slopes=slopes, out=out,
+        result, lse = cupa.decode(*args, **options, out=out,
                                   return_lse=True, partition_size=partition_size, **kwargs)
         assert result is out
         got = cupy.asnumpy(out).astype(np.float64)
@@ -188,3 +187,40 @@ def test_tensor_core_kernel_is_chosen_where_it_applies():
     variant = make_plan(shape, 132, arch=arch).variant
     nvidia_ampere_plus = arch.startswith("sm_") and int(arch[3:]) >= 80
     assert isinstance(variant, variants.DecodeMmaVariant) == nvidia_ampere_plus
+
+
+GPU_FEATURES = {
+    "window": dict(sliding_window=300),  # spans partition boundaries of PARTITION = 256
+    "softcap": dict(logits_soft_cap=3.0),
+    "sinks": dict(sinks=True),
+    "all": dict(sliding_window=1000, logits_soft_cap=10.0, sinks=True, alibi=True),
+}
+
+
+@pytest.mark.parametrize("feature", list(GPU_FEATURES))
+@pytest.mark.parametrize("head_size, group", [(128, 8), (128, 16), (96, 3), (64, 1)],
+                         ids=["mma8", "mma16", "portable", "mha"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_features(rng, dtype, head_size, group, feature):
+    case = make_case(rng, dtype=dtype, head_size=head_size, block_size=16, num_kv_heads=2,
+                     group=group, seq_lens=(0, 1, 255, 257, 700, 3000), **GPU_FEATURES[feature])
+    run_and_check(case, dtype)
+
+
+def test_merge_states_on_device(rng):
+    import cupy
+    case = make_case(rng, dtype="bfloat16", head_size=128, group=8, seq_lens=(2000,),
+                     shared_blocks=False)
+    args, _ = to_gpu(case)
+    q, k, v, tables, lens = args
+    split_blocks = 40  # 640 tokens
+    first = cupa.decode(q, k, v, tables, cupy.asarray(np.array([640], np.int32)),
+                        return_lse=True)
+    rest_tables = cupy.roll(tables, -split_blocks, axis=1)
+    second = cupa.decode(q, k, v, rest_tables, cupy.asarray(np.array([1360], np.int32)),
+                         return_lse=True)
+    out, lse = cupa.merge_states(*first, *second)
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
+    ref, ref_lse = paged_decode_reference(*case.args())
+    assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["bfloat16"]
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4)

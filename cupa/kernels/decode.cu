@@ -53,9 +53,9 @@ CUPA_FN void decode_partition(
     __shared__ float red_s[L::LANES > 1 ? L::LANES - 1 : 1][HT][D];
 
     PartitionWork w;
-    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, num_heads, num_kv_heads, block_size,
-                                   max_blocks_per_seq, partition_size, max_partitions,
-                                   head_chunks))
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, sinks, sliding_window, num_heads,
+                                   num_kv_heads, block_size, max_blocks_per_seq, partition_size,
+                                   max_partitions, head_chunks))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
@@ -115,7 +115,8 @@ CUPA_FN void decode_partition(
             const float distance = (float)(t - (seq_len - 1));  // <= 0 for ALiBi
 #pragma unroll
             for (int h = 0; h < HT; ++h)
-                p_s[h][tid] = row >= 0 ? logit[h] + slope_s[h] * distance : neg_inf();
+                p_s[h][tid] = row >= 0 ? soft_cap_log2(logit[h], soft_cap) + slope_s[h] * distance
+                                       : neg_inf();
         }
         __syncthreads();
 
@@ -199,7 +200,9 @@ CUPA_FN void decode_partition(
             if (h >= nh) continue;
             const i64 head = w.first_head + h;
             if (single) {
-                const float inv = l_s[h] > 0.0f ? 1.0f / l_s[h] : 0.0f;
+                float unused_lse;
+                const float inv = finish_head(m_s[h], l_s[h], sink_of(sinks, head, num_heads),
+                                              unused_lse);
                 float o[VEC];
 #pragma unroll
                 for (int v = 0; v < VEC; ++v) o[v] = acc[i][v] * inv;
@@ -215,7 +218,7 @@ CUPA_FN void decode_partition(
         const i64 head = w.first_head + tid;
         if (single) {
             if (lse != nullptr)
-                lse[head] = l_s[tid] > 0.0f ? (m_s[tid] + fast_log2(l_s[tid])) * LN2 : neg_inf();
+                finish_head(m_s[tid], l_s[tid], sink_of(sinks, head, num_heads), lse[head]);
         } else {
             part_max[head * max_partitions + w.part] = m_s[tid];
             part_sum[head * max_partitions + w.part] = l_s[tid];

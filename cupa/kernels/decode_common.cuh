@@ -19,13 +19,49 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
         float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query, \
         const T* __restrict__ key_cache, const T* __restrict__ value_cache,                      \
         const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,                  \
-        const float* __restrict__ alibi_slopes, float scale, i32 num_heads, i32 num_kv_heads,    \
-        i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
-        i32 max_partitions, i32 head_chunks
+        const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, float scale,    \
+        float soft_cap, i32 sliding_window, i32 num_heads, i32 num_kv_heads, i32 block_size,     \
+        i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size, i32 max_partitions,          \
+        i32 head_chunks
 #define CUPA_PARTITION_ARGS                                                                      \
     out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, block_tables,         \
-        seq_lens, alibi_slopes, scale, num_heads, num_kv_heads, block_size, max_blocks_per_seq,  \
-        num_blocks, partition_size, max_partitions, head_chunks
+        seq_lens, alibi_slopes, sinks, scale, soft_cap, sliding_window, num_heads, num_kv_heads, \
+        block_size, max_blocks_per_seq, num_blocks, partition_size, max_partitions, head_chunks
+
+// Logit soft-capping (Gemma 2): c * tanh(x / c) on the natural-log logit; x arrives and leaves
+// in the log2 domain the kernels work in. cap <= 0 means off.
+CUPA_FN float soft_cap_log2(float x, float cap) {
+    if (cap <= 0.f) return x;
+    const float a = x * LN2 / cap;
+    const float e = fast_exp2(-2.f * LOG2E * (a < 0.f ? -a : a));  // exp(-2|a|), no library tanh
+    const float t = (1.f - e) / (1.f + e);
+    return cap * (a < 0.f ? -t : t) * LOG2E;
+}
+
+// Final normalisation of one head. m (log2 domain) and l are the running max and sum of its
+// exp-weights; sink is its sink logit (natural log) or -inf. Returns the factor that turns the
+// unnormalised output (weights relative to m) into the output, and sets the natural-log LSE.
+CUPA_FN float finish_head(float m, float l, float sink, float& lse_out) {
+    const float s2 = sink * LOG2E;
+    const float top = max_f(m, s2);
+    if (top == neg_inf()) {  // no readable token and no sink
+        lse_out = neg_inf();
+        return 0.f;
+    }
+    const float keep = fast_exp2(m - top);
+    const float total = l * keep + fast_exp2(s2 - top);
+    lse_out = (top + fast_log2(total)) * LN2;
+    return keep / total;
+}
+
+CUPA_FN float sink_of(const float* sinks, i64 head, int num_heads) {
+    return sinks != nullptr ? sinks[head % num_heads] : neg_inf();
+}
+
+// First token a sequence of seq_len tokens attends to.
+CUPA_FN int window_start(int seq_len, int sliding_window) {
+    return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+}
 
 // The slice of work of one phase-1 workgroup: grid x = (KV head, head chunk), y = partition,
 // z = sequence. Lengths are clamped to the table's capacity, so a bad length on the device can
@@ -40,9 +76,9 @@ struct PartitionWork {
 // lse of an empty sequence if this workgroup owns them (single-partition launches only).
 template <typename T, int HT, int D>
 CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* seq_lens,
-                             i32 num_heads, i32 num_kv_heads, i32 block_size,
-                             i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
-                             i32 head_chunks) {
+                             const float* sinks, i32 sliding_window, i32 num_heads,
+                             i32 num_kv_heads, i32 block_size, i32 max_blocks_per_seq,
+                             i32 partition_size, i32 max_partitions, i32 head_chunks) {
     const int group = num_heads / num_kv_heads;
     const int chunk = blockIdx.x % head_chunks;
     w.kv_head = blockIdx.x / head_chunks;
@@ -53,13 +89,18 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
     w.first_head = (i64)w.seq * num_heads + w.head0;
     const int len = seq_lens[w.seq];
     w.seq_len = len < 0 ? 0 : cmin(len, max_blocks_per_seq * block_size);
-    w.start = w.part * partition_size;
-    w.end = cmin(w.start + partition_size, w.seq_len);
-    if (w.start < w.seq_len) return true;
-    if (max_partitions == 1 && w.part == 0) {
+    // Partitions wholly before the sliding window exit here, so work scales with the window.
+    w.start = cmax(w.part * partition_size, window_start(w.seq_len, sliding_window));
+    w.end = cmin(w.part * partition_size + partition_size, w.seq_len);
+    if (w.start < w.end) return true;
+    if (max_partitions == 1 && w.part == 0) {  // an empty sequence: zeros, lse = sink or -inf
         for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS)
             Elem<T>::store(out + w.first_head * D + i, 0.0f);
-        if (lse != nullptr && (int)threadIdx.x < w.nh) lse[w.first_head + threadIdx.x] = neg_inf();
+        const int h = threadIdx.x;
+        if (lse != nullptr && h < w.nh) {
+            finish_head(neg_inf(), 0.f, sink_of(sinks, w.first_head + h, num_heads),
+                        lse[w.first_head + h]);
+        }
     }
     return false;
 }
@@ -104,7 +145,8 @@ template <typename T>
 CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
                            const float* __restrict__ part_acc, const float* __restrict__ part_max,
                            const float* __restrict__ part_sum, const i32* __restrict__ seq_lens,
-                           i32 num_heads, i32 head_size, i32 partition_size, i32 max_partitions,
+                           const float* __restrict__ sinks, i32 sliding_window, i32 num_heads,
+                           i32 head_size, i32 partition_size, i32 max_partitions,
                            i32 capacity) {
     constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
     __shared__ float w_s[CUPA_THREADS];
@@ -116,10 +158,13 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
     const int seq = (int)(head / num_heads);
     int seq_len = seq_lens[seq];
     seq_len = seq_len < 0 ? 0 : cmin(seq_len, capacity);
-    const int n = (seq_len + partition_size - 1) / partition_size;
-    const float* pm = part_max + head * max_partitions;
-    const float* ps = part_sum + head * max_partitions;
-    const float* pa = part_acc + head * max_partitions * head_size;
+    // Partitions [first, first + n) hold this sequence's window; the others were never written.
+    const int first = window_start(seq_len, sliding_window) / partition_size;
+    const int n = (seq_len + partition_size - 1) / partition_size - first;
+    const float* pm = part_max + head * max_partitions + first;
+    const float* ps = part_sum + head * max_partitions + first;
+    const float* pa = part_acc + (head * max_partitions + first) * head_size;
+    const float sink = sink_of(sinks, head, num_heads);
 
     float m = neg_inf();
     for (int p = tid; p < n; p += CUPA_THREADS) m = max_f(m, pm[p]);
@@ -137,7 +182,7 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
     if (global_max == neg_inf()) {  // empty sequence (or nothing readable)
         for (int d = tid; d < head_size; d += CUPA_THREADS)
             Elem<T>::store(out + head * head_size + d, 0.0f);
-        if (lse != nullptr && tid == 0) lse[head] = neg_inf();
+        if (lse != nullptr && tid == 0) finish_head(neg_inf(), 0.f, sink, lse[head]);
         return;
     }
 
@@ -176,13 +221,14 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
             }
         }
     }
-    const float inv = 1.0f / total_s;
+    float lse_value;
+    const float factor = finish_head(global_max, total_s, sink, lse_value);
 #pragma unroll
     for (int c = 0; c < MAX_COLS; ++c) {
         const int d = tid + c * CUPA_THREADS;
-        if (d < head_size) Elem<T>::store(out + head * head_size + d, col[c] * inv);
+        if (d < head_size) Elem<T>::store(out + head * head_size + d, col[c] * factor);
     }
-    if (lse != nullptr && tid == 0) lse[head] = (global_max + fast_log2(total_s)) * LN2;
+    if (lse != nullptr && tid == 0) lse[head] = lse_value;
 }
 
 }  // namespace cupa
@@ -190,8 +236,9 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
 #define CUPA_REDUCE_VARIANT(NAME, T)                                                             \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
         T* out, float* lse, const float* part_acc, const float* part_max, const float* part_sum, \
-        const i32* seq_lens, i32 num_heads, i32 head_size, i32 partition_size,                   \
-        i32 max_partitions, i32 capacity) {                                                      \
-        cupa::decode_reduce<T>(out, lse, part_acc, part_max, part_sum, seq_lens, num_heads,     \
-                               head_size, partition_size, max_partitions, capacity);             \
+        const i32* seq_lens, const float* sinks, i32 sliding_window, i32 num_heads,              \
+        i32 head_size, i32 partition_size, i32 max_partitions, i32 capacity) {                   \
+        cupa::decode_reduce<T>(out, lse, part_acc, part_max, part_sum, seq_lens, sinks,         \
+                               sliding_window, num_heads, head_size, partition_size,             \
+                               max_partitions, capacity);                                        \
     }

@@ -75,8 +75,9 @@ CUPA_FN u32 pair_halves(const cupa_u32x4& a, const cupa_u32x4& b, int e) {
 template <typename T, int D, int HT, int NWARPS>
 CUPA_FN void merge_warps_and_store(const float (*o_s)[HT][D], const float (*m_s)[HT],
                                    const float (*l_s)[HT], T* out, float* lse, float* part_acc,
-                                   float* part_max, float* part_sum, i64 first_head, int nh,
-                                   int part, int max_partitions) {
+                                   float* part_max, float* part_sum, const float* sinks,
+                                   int num_heads, i64 first_head, int nh, int part,
+                                   int max_partitions) {
     for (int i = threadIdx.x; i < nh * D; i += CUPA_THREADS) {
         const int h = i / D, d = i % D;
         float m = neg_inf();
@@ -92,8 +93,10 @@ CUPA_FN void merge_warps_and_store(const float (*o_s)[HT][D], const float (*m_s)
         }
         const i64 head = first_head + h;
         if (max_partitions == 1) {
-            Elem<T>::store(out + head * D + d, l > 0.f ? o / l : 0.f);
-            if (d == 0 && lse != nullptr) lse[head] = l > 0.f ? (m + fast_log2(l)) * LN2 : neg_inf();
+            float lse_value;
+            const float factor = finish_head(m, l, sink_of(sinks, head, num_heads), lse_value);
+            Elem<T>::store(out + head * D + d, o * factor);
+            if (d == 0 && lse != nullptr) lse[head] = lse_value;
         } else {
             part_acc[(head * max_partitions + part) * D + d] = o;
             if (d == 0) {
@@ -180,9 +183,9 @@ CUPA_FN void decode_partition_mma16(
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
 
     PartitionWork w;
-    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, num_heads, num_kv_heads, block_size,
-                                   max_blocks_per_seq, partition_size, max_partitions,
-                                   head_chunks))
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, sinks, sliding_window, num_heads,
+                                   num_kv_heads, block_size, max_blocks_per_seq, partition_size,
+                                   max_partitions, head_chunks))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
@@ -241,7 +244,8 @@ CUPA_FN void decode_partition_mma16(
             const int t = base + 2 * c + (i & 1) + (i & 4 ? 8 : 0);
             const float raw = i < 4 ? s0[i] : s1[i - 4];
             const float slope = (i & 2) ? slope_hi : slope_lo;
-            s[i] = cur.v_valid[tok] ? raw * qk_scale + slope * (float)(t - (w.seq_len - 1))
+            s[i] = cur.v_valid[tok] ? soft_cap_log2(raw * qk_scale, soft_cap) +
+                                          slope * (float)(t - (w.seq_len - 1))
                                     : neg_inf();
         }
         // Online softmax per row; the four lanes of a quad share a row.
@@ -300,7 +304,8 @@ CUPA_FN void decode_partition_mma16(
     }
     __syncthreads();
     merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
-                                            w.first_head, nh, w.part, max_partitions);
+                                            sinks, num_heads, w.first_head, nh, w.part,
+                                            max_partitions);
 }
 
 // ---- Group of 2-8 query heads: heads are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------
@@ -330,9 +335,9 @@ CUPA_FN void decode_partition_mma8(
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
 
     PartitionWork w;
-    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, num_heads, num_kv_heads, block_size,
-                                   max_blocks_per_seq, partition_size, max_partitions,
-                                   head_chunks))
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, sinks, sliding_window, num_heads,
+                                   num_kv_heads, block_size, max_blocks_per_seq, partition_size,
+                                   max_partitions, head_chunks))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
@@ -383,10 +388,11 @@ CUPA_FN void decode_partition_mma8(
         const float d0 = (float)(base + g - (w.seq_len - 1));
         const float d1 = d0 + 8.f;
         float s[4];
-        s[0] = cur.k_valid[0] ? st[0] * qk_scale + slope_e * d0 : neg_inf();
-        s[1] = cur.k_valid[0] ? st[1] * qk_scale + slope_o * d0 : neg_inf();
-        s[2] = cur.k_valid[1] ? st[2] * qk_scale + slope_e * d1 : neg_inf();
-        s[3] = cur.k_valid[1] ? st[3] * qk_scale + slope_o * d1 : neg_inf();
+        const float slope[4] = {slope_e * d0, slope_o * d0, slope_e * d1, slope_o * d1};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            s[i] = cur.k_valid[i >> 1] ? soft_cap_log2(st[i] * qk_scale, soft_cap) + slope[i]
+                                       : neg_inf();
         // Online softmax per head (column): the 8 lanes with the same c share a head pair.
         float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
 #pragma unroll
@@ -442,7 +448,8 @@ CUPA_FN void decode_partition_mma8(
     }
     __syncthreads();
     merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
-                                            w.first_head, nh, w.part, max_partitions);
+                                            sinks, num_heads, w.first_head, nh, w.part,
+                                            max_partitions);
 }
 
 }  // namespace cupa
