@@ -6,6 +6,7 @@ cupy is imported lazily so that `import cupa` works on machines without cupy or 
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 
@@ -87,7 +88,6 @@ def like(template, result):
         return result.get() if cupy is not None and isinstance(result, cupy.ndarray) else result
     if cupy is not None and isinstance(template, cupy.ndarray):
         return result if isinstance(result, cupy.ndarray) else cupy.asarray(result)
-    import sys
     library = sys.modules.get(type(template).__module__.split(".")[0])
     from_dlpack = getattr(library, "from_dlpack", None)
     device_result = result if isinstance(result, cupy.ndarray) else cupy.asarray(result)
@@ -95,10 +95,9 @@ def like(template, result):
 
 
 def host_view(x):
-    """numpy array for shape/dtype checks without copying device data.
-
-    Device arrays are returned as cupy arrays (which expose shape, dtype and flags like numpy).
-    """
+    """An array whose shape, dtype and flags can be checked without copying device data:
+    numpy stays numpy, device arrays become zero-copy cupy views, anything else goes through
+    np.asarray."""
     if isinstance(x, np.ndarray) or x is None:
         return x
     if is_device_array(x):

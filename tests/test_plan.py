@@ -1,0 +1,79 @@
+"""Launch planning and kernel selection: pure functions of shapes, checked without a GPU."""
+
+import pytest
+
+from cupa import variants
+from cupa.plan import MAX_GRID_YZ, make_plan
+from cupa.validation import DecodeShape
+
+H200_SMS = 132
+
+
+def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size=16,
+          dtype="float16", window=0):
+    return DecodeShape(num_seqs=batch, num_heads=heads, num_kv_heads=kv_heads,
+                       head_size=head_size, num_blocks=batch * seq_len // block_size,
+                       block_size=block_size, max_blocks_per_seq=-(-seq_len // block_size),
+                       dtype=dtype, scale=0.1, has_alibi=False, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype, head_size, group, arch, expected", [
+    ("float16", 128, 8, "sm_90", "cupa_decode_mma8_f16_d128"),
+    ("bfloat16", 64, 2, "sm_80", "cupa_decode_mma8_bf16_d64"),
+    ("float16", 128, 16, "sm_90", "cupa_decode_mma16_f16_d128"),
+    ("float16", 128, 64, "sm_90", "cupa_decode_mma16_f16_d128"),
+    ("float16", 128, 8, "sm_75", "cupa_decode_f16_d128_h8"),      # no mma.sync path below sm_80
+    ("float16", 128, 8, "gfx942", "cupa_decode_f16_d128_h8"),     # AMD: portable kernel
+    ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
+    ("float16", 96, 3, "sm_90", "cupa_decode_f16_d96_h4"),        # head 96: portable, tile 4
+    ("bfloat16", 256, 12, "sm_90", "cupa_decode_bf16_d256_h8"),   # chunks of 8 heads
+])
+def test_kernel_selection(dtype, head_size, group, arch, expected):
+    assert variants.decode_variant(dtype, head_size, group, arch).partition_name == expected
+
+
+def test_forcing_the_portable_kernel(monkeypatch):
+    monkeypatch.setenv("CUPA_KERNEL", "portable")
+    assert isinstance(variants.decode_variant("float16", 128, 8, "sm_90"), variants.DecodeVariant)
+
+
+def test_head_chunks_cover_the_group():
+    plan = make_plan(shape(heads=64, kv_heads=1), H200_SMS, arch="sm_90")
+    assert plan.variant.heads == 16 and plan.head_chunks == 4
+    plan = make_plan(shape(heads=12, kv_heads=1, head_size=96), H200_SMS, arch="sm_90")
+    assert plan.variant.heads == 8 and plan.head_chunks == 2
+
+
+def test_large_batches_use_one_partition():
+    plan = make_plan(shape(batch=256, seq_len=2048), H200_SMS, arch="sm_90", max_seq_len=2048)
+    assert plan.single_partition and plan.partition_size == 2048
+
+
+def test_small_batches_split_long_sequences():
+    plan = make_plan(shape(batch=1, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)
+    assert not plan.single_partition
+    assert plan.partition_size % plan.variant.min_partition == 0
+    assert plan.max_partitions * plan.partition_size >= 32768
+
+
+def test_length_hint_and_window_shrink_partitions():
+    capacity_plan = make_plan(shape(seq_len=131072), H200_SMS, arch="sm_90")
+    hinted = make_plan(shape(seq_len=131072), H200_SMS, arch="sm_90", max_seq_len=4096)
+    windowed = make_plan(shape(seq_len=131072, window=4096), H200_SMS, arch="sm_90")
+    assert hinted.partition_size < capacity_plan.partition_size
+    assert windowed.partition_size == hinted.partition_size
+
+
+def test_grid_limits():
+    huge = shape(seq_len=(MAX_GRID_YZ + 10) * 16)
+    plan = make_plan(huge, H200_SMS, arch="sm_90")
+    assert plan.max_partitions <= MAX_GRID_YZ
+    with pytest.raises(ValueError, match="partition_size"):
+        make_plan(huge, H200_SMS, arch="sm_90", partition_size=1)
+    with pytest.raises(ValueError, match="partition_size: must be >= 1"):
+        make_plan(shape(), H200_SMS, partition_size=0)
+
+
+def test_forced_partition_size_covering_the_capacity_is_single():
+    plan = make_plan(shape(seq_len=1000), H200_SMS, arch="sm_90", partition_size=4096)
+    assert plan.single_partition and plan.partition_size == plan.max_partitions * 1008
