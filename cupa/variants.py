@@ -39,13 +39,33 @@ def head_tile(group: int) -> int:
     return HEAD_TILES[-1]
 
 
-@dataclass(frozen=True)
-class DecodeVariant:
-    """Phase 1 (partition) kernel plus the phase 2 (reduce) kernel of the same dtype.
+class _TwoPhase:
+    """What every decode variant shares: a phase-1 kernel (`partition_name`, per class) and the
+    phase-2 reduce kernel of its dtype, compiled into the same module.
 
     Every variant class offers the same three members, which is all the compiler needs:
     `source_file`, `entry_names` and `instantiations()`.
     """
+
+    @property
+    def tag(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def reduce_name(self) -> str:
+        return f"cupa_reduce_{self.tag}"
+
+    @property
+    def entry_names(self) -> tuple[str, ...]:
+        return (self.partition_name, self.reduce_name)
+
+    def reduce_instantiation(self) -> str:
+        return f"CUPA_REDUCE_VARIANT({self.reduce_name}, {DTYPES[self.dtype][1]})"
+
+
+@dataclass(frozen=True)
+class DecodeVariant(_TwoPhase):
+    """The portable phase-1 kernel (decode.cu) with a compile-time head tile."""
 
     dtype: str
     head_size: int
@@ -57,30 +77,17 @@ class DecodeVariant:
     workgroups_per_sm = 4
 
     @property
-    def tag(self) -> str:
-        return DTYPES[self.dtype][0]
-
-    @property
     def partition_name(self) -> str:
         return f"cupa_decode_{self.tag}_d{self.head_size}_h{self.heads}"
-
-    @property
-    def reduce_name(self) -> str:
-        return f"cupa_reduce_{self.tag}"
-
-    @property
-    def entry_names(self) -> tuple[str, ...]:
-        return (self.partition_name, self.reduce_name)
 
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
         return [f"CUPA_DECODE_VARIANT({self.partition_name}, {ctype}, {self.head_size}, "
-                f"{self.heads})",
-                f"CUPA_REDUCE_VARIANT({self.reduce_name}, {ctype})"]
+                f"{self.heads})", self.reduce_instantiation()]
 
 
 @dataclass(frozen=True)
-class DecodeMmaVariant:
+class DecodeMmaVariant(_TwoPhase):
     """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64 and 128.
 
     heads=8: the group's query heads are the N=8 columns (groups of 2-8); heads=16: they are the
@@ -99,22 +106,13 @@ class DecodeMmaVariant:
 
     @property
     def partition_name(self) -> str:
-        return f"cupa_decode_mma{self.heads}_{DTYPES[self.dtype][0]}_d{self.head_size}"
-
-    @property
-    def reduce_name(self) -> str:
-        return f"cupa_reduce_{DTYPES[self.dtype][0]}"
-
-    @property
-    def entry_names(self) -> tuple[str, ...]:
-        return (self.partition_name, self.reduce_name)
+        return f"cupa_decode_mma{self.heads}_{self.tag}_d{self.head_size}"
 
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
         kernel = f"decode_partition_mma{self.heads}"
         return [f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, {kernel}, {ctype}, "
-                f"{self.head_size})",
-                f"CUPA_REDUCE_VARIANT({self.reduce_name}, {ctype})"]
+                f"{self.head_size})", self.reduce_instantiation()]
 
 
 MMA_DTYPES = ("float16", "bfloat16")
