@@ -15,6 +15,7 @@ def cmd_info(args) -> int:
 
     from . import __version__, arrays, variants
     from .compiler import hip_compiler, hip_include_dir
+    from .fp8 import default_kv_format
     print(f"cupa {__version__}  (numpy {np.__version__})")
     cupy = arrays.cupy_module()
     if cupy is None:
@@ -35,6 +36,10 @@ def cmd_info(args) -> int:
                   f"multiprocessors, {info.shared_memory_per_block // 1024} KB shared/block")
             print(f"  compiler: {'hipRTC' if t.is_hip else 'NVRTC'} via cupy.RawModule, "
                   f"options {' '.join(t.runtime_options())}")
+            kv_format = default_kv_format(t.arch)
+            print(f"  default kv_format: {kv_format}" if kv_format else
+                  f"  default kv_format: None (no fp8 hardware on {t.arch}; fp8 KV caches "
+                  f"still work, converted in software)")
         else:
             print("device: none visible -> backend 'numpy'")
         cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
@@ -44,35 +49,41 @@ def cmd_info(args) -> int:
     print(f"kernel variants: {len(variants.all_variants())} "
           f"({', '.join(f'{k}: {len(f())}' for k, f in variants.VARIANT_FAMILIES.items())})")
     print(f"default backend: {'gpu' if arrays.gpu_available() else 'numpy'}")
+    if not arrays.gpu_available():
+        print("default kv_format: none detected (no GPU)")
     return 0
 
 
-def _compile_one(job):
-    variant, arch = job
+def _compile_batch(job):
+    batch, arch = job
     from .compiler import compile_offline
     start = time.perf_counter()
     try:
-        size = compile_offline(variant, arch)
-        return variant, arch, True, f"{size} B", time.perf_counter() - start
+        size = compile_offline(batch, arch)
+        return batch, arch, True, f"{size} B", time.perf_counter() - start
     except Exception as exc:  # reported in the table, and makes the exit code non-zero
-        return variant, arch, False, str(exc), time.perf_counter() - start
+        return batch, arch, False, str(exc), time.perf_counter() - start
 
 
 def compile_all(targets, jobs=None, progress=True):
-    """Compile every variant for every target; returns {(variant, arch): (ok, detail)}."""
+    """Compile every variant for every target, in batches of one source file and dtype (one
+    compiler run each); returns {(variant, arch): (ok, detail)}. A failing batch marks each of
+    its variants failed, with the compiler's log naming the instantiation at fault."""
     from . import variants
-    work = [(v, a) for a in targets for v in variants.all_variants(a)]
+    work = [(batch, a) for a in targets for batch in variants.offline_batches(a)]
+    total = sum(len(batch) for batch, _ in work)
     results = {}
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
-        futures = [pool.submit(_compile_one, job) for job in work]
-        for n, future in enumerate(as_completed(futures), 1):
-            variant, arch, ok, detail, _ = future.result()
-            results[(variant, arch)] = (ok, detail)
-            if progress and (n % 25 == 0 or n == len(work) or not ok):
-                print(f"\r  compiled {n}/{len(work)} in {time.perf_counter() - start:.0f} s"
-                      + ("" if ok else f"  FAILED {variant.entry_names[0]} {arch}"),
-                      end="\n" if (n == len(work) or not ok) else "", file=sys.stderr,
+        futures = [pool.submit(_compile_batch, job) for job in work]
+        for future in as_completed(futures):
+            batch, arch, ok, detail, _ = future.result()
+            results.update({(v, arch): (ok, detail) for v in batch})
+            if progress:
+                print(f"\r  compiled {len(results)}/{total} variants in "
+                      f"{time.perf_counter() - start:.0f} s"
+                      + ("" if ok else f"  FAILED a batch of {batch[0].entry_names[0]} on {arch}"),
+                      end="\n" if (len(results) == total or not ok) else "", file=sys.stderr,
                       flush=True)
     return results
 

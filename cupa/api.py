@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import arrays
-from .validation import check_decode_args, check_table_contents
+from .decode_plan import (DecodeOptions, DecodePlan, check_inputs, convert_inputs,
+                          default_max_query_len, host_arrays_of)
+from .fp8 import check_kv_format
+from .validation import MAX_QUERY_LEN
 
 BACKENDS = ("gpu", "numpy")
 
@@ -22,26 +23,45 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-def decode(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
-           alibi_slopes=None, sliding_window=None, logits_soft_cap=None, sinks=None, out=None,
-           return_lse=False, partition_size=None, max_seq_len=None, stream=None, backend=None):
-    """Paged decode attention: one new query token per sequence against its cached K/V.
+def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
+           max_query_len=None, scale=None, alibi_slopes=None, sliding_window=None,
+           logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None, v_scale=None,
+           out=None, return_lse=False, partition_size=None, max_seq_len=None, stream=None,
+           backend=None):
+    """Paged decode attention: each new query token against its sequence's cached K/V.
 
-    query         [num_seqs, num_heads, head_size], float16 / bfloat16 (ml_dtypes) / float32
-    key_cache     [num_blocks, num_kv_heads, block_size, head_size], same dtype as query
+    query         [num_tokens, num_heads, head_size], float16 / bfloat16 (ml_dtypes) / float32:
+                  one new token per sequence (num_tokens = num_seqs), or several per sequence
+                  with query_start_loc
+    key_cache     [num_blocks, num_kv_heads, block_size, head_size], same dtype as query (or
+                  uint8 fp8 codes with kv_format)
     value_cache   same shape and dtype as key_cache
     block_tables  int32 [num_seqs, max_blocks_per_seq]: block ids of each sequence, in order
-    seq_lens      int32 [num_seqs]: tokens of each sequence (0 gives a zero row, lse = -inf)
+    seq_lens      int32 [num_seqs]: tokens of each sequence, its new tokens included (0 gives
+                  zero rows, lse = -inf)
+    query_start_loc  int32 [num_seqs + 1]: multi-token decode (speculative decoding). Sequence s
+                  owns query rows query_start_loc[s] .. query_start_loc[s + 1] - 1, 1 to 16 of
+                  them; its token i of q_len sits at position p = seq_len - q_len + i and sees
+                  positions <= p (causal among the new tokens). Each K/V row is still read once
+                  per KV head and partition, for all of a sequence's new tokens together.
+    max_query_len the most new tokens of any sequence; only needed when query_start_loc is on
+                  the device (default: the most its shape allows, at most 16). Host arrays are
+                  read instead. A too small value leaves rows unwritten.
     scale         logit scale, default head_size ** -0.5
-    alibi_slopes  float32 [num_heads]: adds slope * (j - (seq_len - 1)) to the logit of token j
-    sliding_window  W: attend only to the last W positions (j >= seq_len - W); work and bytes
-                  scale with W, not with seq_len
+    alibi_slopes  float32 [num_heads]: adds slope * (j - p) to the logit of position j
+    sliding_window  W: each token attends only to its last W positions (j > p - W); work and
+                  bytes scale with W, not with seq_len
     logits_soft_cap c: logits become c * tanh(logit / c) before the softmax (Gemma 2 style;
                   applied to scale * q.k, before ALiBi)
     sinks         float32 [num_heads]: one extra logit per head that joins the softmax
                   denominator only (an "attention sink"; a length-0 sequence then has lse = sink)
+    kv_format     None (the cache holds the query dtype), 'fp8_e4m3' (OCP e4m3fn) or
+                  'fp8_e4m3fnuz' (AMD MI300): the caches hold uint8 codes, value = code * scale;
+                  float16 / bfloat16 queries only. See `cupa.quantize_fp8`.
+    k_scale, v_scale  fp8 scales of K and V: a float, or float32 [num_kv_heads] per KV head
+                  (default 1.0)
     out           optional output array to fill (same shape and dtype as query)
-    return_lse    also return float32 [num_seqs, num_heads], the natural log of the softmax
+    return_lse    also return float32 [num_tokens, num_heads], the natural log of the softmax
                   denominator (scale and ALiBi included)
     partition_size  tokens per phase-1 partition (default: chosen to fill the device)
     max_seq_len   optional hint of the longest seq_len, used only to choose partitions (a wrong
@@ -56,45 +76,77 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
     the kernels instead never read past seq_len or the table's capacity, and treat block ids
     outside [0, num_blocks) as empty. Host (numpy) tables are checked fully.
     """
-    backend = resolve_backend(backend)
-    inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, sinks)
-    host_tables = not arrays.is_device_array(block_tables) and not arrays.is_device_array(seq_lens)
-    convert = arrays.to_device if backend == "gpu" else arrays.to_host
-    q, k, v, tables, lens, slopes, sink_logits = (convert(x) for x in inputs)
+    plan, inputs = _plan(query, key_cache, value_cache, block_tables, seq_lens,
+                         query_start_loc=query_start_loc, max_query_len=max_query_len,
+                         scale=scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format,
+                         k_scale=k_scale, v_scale=v_scale, out=out, return_lse=return_lse,
+                         partition_size=partition_size, max_seq_len=max_seq_len,
+                         backend=backend, own_outputs=False)
     device_out = out is not None and arrays.is_device_array(out)
-    out_view = arrays.to_device(out) if device_out else out
+    return plan._execute(inputs, query, out, arrays.to_device(out) if device_out else None,
+                         stream)
 
-    shape = check_decode_args(q, k, v, tables, lens, scale=scale, alibi_slopes=slopes,
-                              out=out_view, sliding_window=sliding_window,
-                              logits_soft_cap=logits_soft_cap, sinks=sink_logits)
-    if host_tables or backend == "numpy":
-        host_lens = arrays.to_host(seq_lens)
-        check_table_contents(shape, arrays.to_host(block_tables), host_lens)
-        if max_seq_len is None and shape.num_seqs:
-            max_seq_len = int(np.max(host_lens))
 
-    if backend == "gpu":
-        from .gpu import decode_gpu
-        cupy = arrays.cupy_module()
-        with stream if stream is not None else cupy.cuda.get_current_stream():
-            result, lse = decode_gpu(q, k, v, tables, lens, shape, alibi_slopes=slopes,
-                                     sinks=sink_logits, out=out_view if device_out else None,
-                                     return_lse=return_lse, partition_size=partition_size,
-                                     max_seq_len=max_seq_len)
-    else:
-        from .reference import paged_decode_reference
-        ref_out, ref_lse = paged_decode_reference(
-            q, k, v, tables, lens, scale=shape.scale, alibi_slopes=slopes,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sink_logits)
-        result = ref_out.astype(q.dtype)
-        lse = ref_lse.astype(np.float32) if return_lse else None
+def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
+                max_query_len=None, scale=None, alibi_slopes=None, sliding_window=None,
+                logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None, v_scale=None,
+                return_lse=False, partition_size=None, max_seq_len=None,
+                backend=None) -> DecodePlan:
+    """Fix a decode's kernel, grid, workspace and output buffers for repeated runs and graph
+    capture; returns a `cupa.DecodePlan` whose `run(query, key_cache, value_cache, block_tables,
+    seq_lens, query_start_loc=..., alibi_slopes=..., sinks=...)` decodes.
 
-    if out is None:
-        result = arrays.like(query, result)
-    else:
-        if device_out and result is not out_view:
-            out_view[...] = arrays.to_device(result)
-        elif not device_out:
-            out[...] = arrays.to_host(result)
-        result = out
-    return (result, arrays.like(query, lse)) if return_lse else result
+    Arguments as for `cupa.decode`; the arrays give the shapes and dtypes (a maximum batch, and
+    block tables as wide as the longest sequence may get), and their contents only feed the
+    length hints when they are host arrays. scale, sliding_window, logits_soft_cap, kv_format,
+    k_scale, v_scale, return_lse and partition_size are fixed by the plan; whether alibi_slopes,
+    sinks and query_start_loc are given is fixed too (their contents may change between runs).
+
+    Graph capture (cupy): make the plan, run it once outside the capture (this compiles the
+    kernels), then capture `plan.run(...)` on a non-default stream; replaying the graph decodes
+    whatever the captured arrays hold at that time. max_seq_len (a hint for partitioning)
+    should then be the longest length the graph will see.
+    """
+    plan, _ = _plan(query, key_cache, value_cache, block_tables, seq_lens,
+                    query_start_loc=query_start_loc, max_query_len=max_query_len, scale=scale,
+                    alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                    logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format,
+                    k_scale=k_scale, v_scale=v_scale, out=None, return_lse=return_lse,
+                    partition_size=partition_size, max_seq_len=max_seq_len, backend=backend,
+                    own_outputs=True)
+    return plan
+
+
+def _plan(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc,
+          max_query_len, scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_format,
+          k_scale, v_scale, out, return_lse, partition_size, max_seq_len, backend, own_outputs):
+    """Shared front half of `decode` and `plan_decode`: arrays in -> validation -> plan."""
+    backend = resolve_backend(backend)
+    fmt = check_kv_format(kv_format)
+    if fmt is None and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale / v_scale: only meaningful with an fp8 kv_format")
+    inputs = convert_inputs(backend, query, key_cache, value_cache, block_tables, seq_lens,
+                            query_start_loc, alibi_slopes, sinks)
+    options = DecodeOptions(scale=scale, sliding_window=sliding_window,
+                            logits_soft_cap=logits_soft_cap,
+                            kv_format=None if fmt is None else fmt.name,
+                            return_lse=bool(return_lse))
+    host = host_arrays_of(backend, block_tables=block_tables, seq_lens=seq_lens,
+                          query_start_loc=query_start_loc)
+    out_view = arrays.to_device(out) if out is not None and arrays.is_device_array(out) else out
+    shape, longest, most_new = check_inputs(inputs, options, host, out_view)
+    if max_seq_len is None:
+        max_seq_len = longest
+    if max_query_len is not None:
+        if isinstance(max_query_len, bool) or int(max_query_len) != max_query_len \
+                or not 1 <= int(max_query_len) <= MAX_QUERY_LEN:
+            raise ValueError(f"max_query_len: must be an int from 1 to {MAX_QUERY_LEN}, got "
+                             f"{max_query_len!r}")
+    if most_new is None:  # query_start_loc is on the device (or absent)
+        most_new = (default_max_query_len(shape) if max_query_len is None
+                    else int(max_query_len))
+    plan = DecodePlan(shape, backend, options, query_dtype=inputs.query.dtype, k_scale=k_scale,
+                      v_scale=v_scale, max_seq_len=max_seq_len, max_query_len=most_new,
+                      partition_size=partition_size, own_outputs=own_outputs)
+    return plan, inputs

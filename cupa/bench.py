@@ -20,7 +20,8 @@ DEFAULT_SHAPES = ("1x4096", "1x32768", "8x4096", "16x16384", "32x2048", "64x4096
 
 def add_arguments(parser):
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                        help="comma-separated BATCHxSEQ_LEN (default: the issue's 8 shapes)")
+                        help="comma-separated BATCHxSEQ_LEN (default: the issue's 8 shapes); "
+                             "'none' skips the main table")
     parser.add_argument("--heads", type=int, default=64, help="query heads (default 64)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-size", type=int, default=128)
@@ -30,6 +31,11 @@ def add_arguments(parser):
                         help="force cupa's partition size (default: the planner's choice)")
     parser.add_argument("--iters", type=int, default=50, help="timed launches per figure")
     parser.add_argument("--no-peers", action="store_true", help="time cupa and the ceiling only")
+    parser.add_argument("--features", nargs="?", const="all", default=None,
+                        metavar="LIST",
+                        help="also time sliding window, multi-token decode and the fp8 cache "
+                             "against their plain counterparts (cupa/bench_features.py); "
+                             "optionally a comma-separated subset of window,multi_token,fp8")
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TB/s against KV size")
 
@@ -107,8 +113,9 @@ def sdpa_peer(cupy, query, key, value, tables_np, seq_len, args):
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
 
-def flashinfer_peer(cupy, query, key, value, tables_np, seq_len, args):
-    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, HND) on the same pages."""
+def flashinfer_peer(cupy, query, key, value, tables_np, seq_len, args, fp8_scale=None):
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, HND) on the same pages; with
+    fp8_scale, the pages are e4m3 codes (uint8 viewed as torch.float8_e4m3fn) of that scale."""
     try:
         import flashinfer
         import torch
@@ -123,11 +130,15 @@ def flashinfer_peer(cupy, query, key, value, tables_np, seq_len, args):
     indptr = torch.arange(0, batch * blocks + 1, blocks, dtype=torch.int32, device=dev)
     indices = torch.from_dlpack(cupy.asarray(tables_np.reshape(-1)))
     last = torch.full((batch,), seq_len - (blocks - 1) * bs, dtype=torch.int32, device=dev)
-    tdtype = getattr(torch, args.dtype)
+    q_dtype = getattr(torch, args.dtype)
+    kv_dtype = q_dtype if fp8_scale is None else torch.float8_e4m3fn
     wrapper.plan(indptr, indices, last, args.heads, args.kv_heads, args.head_size, bs,
-                 q_data_type=tdtype, kv_data_type=tdtype)
+                 q_data_type=q_dtype, kv_data_type=kv_dtype)
     q, k, v = (torch.from_dlpack(x) for x in (query, key, value))
-    return lambda: wrapper.run(q, (k, v))
+    if fp8_scale is None:
+        return lambda: wrapper.run(q, (k, v))
+    k, v = k.view(kv_dtype), v.view(kv_dtype)
+    return lambda: wrapper.run(q, (k, v), k_scale=fp8_scale, v_scale=fp8_scale)
 
 
 def _peer(name, factory, *a):
@@ -155,7 +166,8 @@ def main(args) -> int:
     print(f"device: {info.name} ({info.target.arch}); measuring copy ceiling...", file=sys.stderr)
     ceiling = copy_ceiling_tbs(cupy, timer)
     print(f"copy ceiling: {ceiling:.2f} TB/s (read + write)")
-    shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+    shapes = [] if args.shapes.strip().lower() == "none" else [
+        tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     rows = []
     header = (f"{'B x L':>12} {'KV MB':>8} {'cupa us':>9} {'TB/s':>6} {'%ceil':>6} "
               f"{'sdpa us':>9} {'fi us':>9} {'vs sdpa':>8} {'vs fi':>7}")
@@ -202,10 +214,13 @@ def main(args) -> int:
         geo = float(np.exp(np.mean(np.log(best))))
         print(f"geometric mean speed-up over the better peer: {geo:.3f}x")
     result = {"copy_tbs": ceiling, "device": info.name, "rows": rows}
+    if args.features:
+        from .bench_features import feature_rows
+        result["feature_rows"] = feature_rows(cupy, timer, rng, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if args.plot:
+    if args.plot and rows:
         plot(result, args.plot)
     return 0
 

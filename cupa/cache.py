@@ -1,7 +1,8 @@
 """`cupa.PagedKVCache`: paged K/V storage for every layer, plus the sequences that use it.
 
 Storage is two arrays (K and V) of shape [num_layers, num_blocks, num_kv_heads, block_size,
-head_size] on the cache's device (cupy) or host (numpy). A block id names the same block in every
+head_size] on the cache's device (cupy) or host (numpy), of `dtype` or, with an fp8 `kv_format`,
+of uint8 fp8 codes with per-KV-head scales (cupa.fp8). A block id names the same block in every
 layer, so one block table serves all layers and block copies (copy-on-write, swap) move all layers
 at once. Bookkeeping (free list, reference counts, prefix hashes) is in `cupa.block_allocator`.
 
@@ -20,6 +21,7 @@ import numpy as np
 from . import arrays, variants
 from .api import decode as _decode, resolve_backend
 from .block_allocator import ROOT_HASH, BlockAllocator, OutOfBlocksError, block_hash
+from .fp8 import check_kv_format, kv_scales, quantize_fp8
 from .validation import dtype_name
 
 STORAGE_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -129,17 +131,26 @@ class PagedKVCache:
 
     num_layers, num_blocks, block_size, num_kv_heads, head_size: the storage shape; every layer
         has its own [num_blocks, num_kv_heads, block_size, head_size] K and V arrays.
-    dtype: 'float16', 'bfloat16' or 'float32' (numpy storage of bfloat16 is ml_dtypes.bfloat16).
+    dtype: 'float16', 'bfloat16' or 'float32': the K/V rows written and the queries
+        (numpy storage of bfloat16 is ml_dtypes.bfloat16).
     backend: 'gpu', 'numpy' or None (GPU when one is usable).
     enable_prefix_caching: name full blocks by a chained hash of their token ids, reuse them for
         later sequences with the same prefix, and keep freed ones until their space is needed.
-    kv_format: storage format of K/V; only None (= `dtype`) exists today. Reserved for quantised
-        formats (fp8 with scales) that change what a block holds but not the bookkeeping.
+    kv_format: None (store K/V as `dtype`), 'fp8_e4m3' (OCP e4m3fn) or 'fp8_e4m3fnuz' (AMD
+        MI300). With fp8 the K/V arrays hold uint8 codes (half of float16's memory): `write`
+        stores the code of x / scale of each element (round to nearest even, saturating; see
+        cupa.fp8) and `decode` reads code value * scale. head_size must be a multiple of 16.
+        cupa.fp8.default_kv_format(arch) names the format with hardware support on a GPU.
+        `decode` of an fp8 cache takes the query dtypes cupa.decode's fp8 kernels serve
+        (float16, bfloat16).
+    k_scale, v_scale: fp8 only: one positive scale for all KV heads or a float32 array
+        [num_kv_heads] (default 1). Kept as read-only float32 numpy arrays `k_scale`, `v_scale`.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_size: int, dtype="float16", *, backend=None,
-                 enable_prefix_caching: bool = False, kv_format=None):
+                 enable_prefix_caching: bool = False, kv_format=None, k_scale=None,
+                 v_scale=None):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                             ("head_size", head_size)):
@@ -148,10 +159,11 @@ class PagedKVCache:
         self.dtype = dtype_name(dtype) if not isinstance(dtype, str) else dtype
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"dtype: must be one of {tuple(STORAGE_DTYPES)}, got {dtype!r}")
-        if kv_format is not None and kv_format != self.dtype:
-            raise NotImplementedError(f"kv_format={kv_format!r}: only None (store K/V as `dtype`)"
-                                      " is implemented")
-        storage = np.dtype(STORAGE_DTYPES[self.dtype])
+        # kv_format equal to dtype is the plain cache too.
+        self._fp8 = check_kv_format(None if kv_format == self.dtype else kv_format)
+        if self._fp8 is None and (k_scale is not None or v_scale is not None):
+            raise ValueError("k_scale, v_scale: only an fp8 kv_format has scales")
+        storage = np.dtype(np.uint8 if self._fp8 else STORAGE_DTYPES[self.dtype])
         if (head_size * storage.itemsize) % 16:
             raise ValueError(f"head_size: rows of head_size x {storage.itemsize} bytes must be a "
                              f"multiple of 16 bytes (vectorised writes), got {head_size}")
@@ -160,9 +172,18 @@ class PagedKVCache:
         self.head_size = int(head_size)
         self.backend = resolve_backend(backend)
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.kv_format = kv_format
+        self.kv_format = self._fp8.name if self._fp8 else None
+        # Scales are fixed for the cache's life: the GPU write uses device copies of 1 / scale.
+        self.k_scale = kv_scales(k_scale, self.num_kv_heads, "k_scale") if self._fp8 else None
+        self.v_scale = kv_scales(v_scale, self.num_kv_heads, "v_scale") if self._fp8 else None
+        for scale in (self.k_scale, self.v_scale):
+            if scale is not None:
+                scale.flags.writeable = False
 
         xp = arrays.cupy_module() if self.backend == "gpu" else np
+        if self._fp8 and self.backend == "gpu":
+            self._inv_scales = tuple(xp.asarray(np.float32(1) / s)
+                                     for s in (self.k_scale, self.v_scale))
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size,
                  self.head_size)
         self._storage_dtype = storage
@@ -319,8 +340,12 @@ class PagedKVCache:
             host_slots = arrays.to_host(slots).astype(np.int64)
             keep = host_slots >= 0
             blocks, offsets = np.divmod(host_slots[keep], self.block_size)
-            self._keys[layer][blocks, :, offsets] = arrays.to_host(key)[keep]
-            self._values[layer][blocks, :, offsets] = arrays.to_host(value)[keep]
+            key, value = arrays.to_host(key)[keep], arrays.to_host(value)[keep]
+            if self._fp8:  # rows [tokens, heads, head_size]: one scale per head
+                key = quantize_fp8(key, self._fp8, self.k_scale[:, None])
+                value = quantize_fp8(value, self._fp8, self.v_scale[:, None])
+            self._keys[layer][blocks, :, offsets] = key
+            self._values[layer][blocks, :, offsets] = value
 
     def tables(self, seq_ids: Sequence, *, max_blocks: int | None = None):
         """(block_tables int32 [num_seqs, width], seq_lens int32 [num_seqs]) on the cache's device.
@@ -353,7 +378,8 @@ class PagedKVCache:
         """`cupa.decode` of one new query token per sequence against this layer's cache.
 
         query [len(seq_ids), num_heads, head_size]; decode_kwargs go to `cupa.decode` (scale,
-        alibi_slopes, out, return_lse, partition_size, stream, ...).
+        alibi_slopes, out, return_lse, partition_size, stream, ...). An fp8 cache passes its
+        kv_format, k_scale and v_scale itself.
         """
         layer = self._check_layer(layer)
         seq_ids = list(seq_ids)
@@ -361,6 +387,13 @@ class PagedKVCache:
         if len(shape) != 3 or shape[0] != len(seq_ids):
             raise ValueError(f"query: expected shape [len(seq_ids)={len(seq_ids)}, num_heads, "
                              f"head_size], got {shape}")
+        owned = sorted({"kv_format", "k_scale", "v_scale"} & set(decode_kwargs))
+        if owned:
+            raise ValueError(f"{', '.join(owned)}: set by the cache (constructor arguments), "
+                             f"not per decode call")
+        if self._fp8:
+            decode_kwargs.update(kv_format=self.kv_format, k_scale=self.k_scale,
+                                 v_scale=self.v_scale)
         block_tables, seq_lens = self.tables(seq_ids)
         decode_kwargs.setdefault(
             "max_seq_len", max((self._seqs[s].num_tokens for s in seq_ids), default=0))
@@ -592,17 +625,20 @@ class PagedKVCache:
         if slots.dtype != np.int64:
             slots = slots.astype(np.int64)
         key, value = _aligned_rows(arrays.to_device(key)), _aligned_rows(arrays.to_device(value))
-        variant = variants.CacheWriteVariant(self.dtype)
+        variant = variants.CacheWriteVariant(self.dtype, self.kv_format)
         kernel = _compiled(variant)[variant.write_name]
-        vectors = 2 * self.num_kv_heads * self.head_size * key.itemsize // 16
+        # One thread per 16-byte vector of the cache row (fp8: 16 codes from 16 source elements).
+        vectors = 2 * self.num_kv_heads * self.head_size * self._storage_dtype.itemsize // 16
         threads = min(WRITE_THREADS_MAX, -(-vectors // 32) * 32)
         item = key.itemsize
-        kernel((num_tokens,), (threads,), (
-            key, value, self._keys[layer], self._values[layer], slots,
-            np.int32(self.num_kv_heads), np.int32(self.head_size), np.int32(self.block_size),
-            np.int64(self.num_blocks * self.block_size),
-            np.int64(key.strides[0] // item), np.int64(key.strides[1] // item),
-            np.int64(value.strides[0] // item), np.int64(value.strides[1] // item)))
+        args = (key, value, self._keys[layer], self._values[layer], slots,
+                np.int32(self.num_kv_heads), np.int32(self.head_size), np.int32(self.block_size),
+                np.int64(self.num_blocks * self.block_size),
+                np.int64(key.strides[0] // item), np.int64(key.strides[1] // item),
+                np.int64(value.strides[0] // item), np.int64(value.strides[1] // item))
+        if self._fp8:
+            args += (*self._inv_scales, np.int32(self._fp8.kernel_id))
+        kernel((num_tokens,), (threads,), args)
 
 
 def _compiled(variant):

@@ -1,17 +1,21 @@
 """Launching decode on a GPU: plan -> compiled variant -> partition kernel -> reduce kernel.
 
 All arrays here are cupy arrays already validated by `cupa.api`. Nothing in this path reads
-device memory back to the host, so a call only enqueues work on the stream.
+device memory back to the host, so a call only enqueues work on the stream. The workspace is a
+separate object so that a `cupa.DecodePlan` can own one for its whole life (graph capture needs
+every pointer to stay put).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .arrays import cupy_module
 from .compiler import kernels as compiled_kernels
-from .device import device_info
-from .plan import make_plan
+from .plan import LaunchPlan
+from .validation import DecodeShape
 from . import variants
 
 _NULL = np.uint64(0)  # a null pointer argument
@@ -21,41 +25,57 @@ def _ptr(array):
     return _NULL if array is None else array
 
 
-def decode_gpu(query, key_cache, value_cache, block_tables, seq_lens, shape, *, alibi_slopes,
-               sinks, out, return_lse, partition_size, max_seq_len):
-    cupy = cupy_module()
-    info = device_info()
-    plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
-                     partition_size=partition_size,
-                     max_seq_len=max_seq_len)
-    if out is None:
-        out = cupy.empty(query.shape, dtype=query.dtype)
-    lse = cupy.empty((shape.num_seqs, shape.num_heads), dtype=cupy.float32) if return_lse else None
-    if shape.num_seqs == 0:
-        return out, lse
+@dataclass
+class Workspace:
+    """Phase-1 partials per query row and partition (absent with a single partition)."""
 
-    kernels = compiled_kernels(plan.variant, info.index)
+    part_acc: object = None  # float32 [num_tokens, num_heads, max_partitions, head_size]
+    part_max: object = None  # float32 [num_tokens, num_heads, max_partitions] (log2 domain)
+    part_sum: object = None  # float32 [num_tokens, num_heads, max_partitions]
+
+
+def allocate_workspace(plan: LaunchPlan, shape: DecodeShape) -> Workspace:
     if plan.single_partition:
-        part_acc = part_max = part_sum = None
-    else:
-        partials = (shape.num_seqs, shape.num_heads, plan.max_partitions)
-        part_acc = cupy.empty(partials + (shape.head_size,), dtype=cupy.float32)
-        part_max = cupy.empty(partials, dtype=cupy.float32)
-        part_sum = cupy.empty(partials, dtype=cupy.float32)
+        return Workspace()
+    cupy = cupy_module()
+    partials = (shape.num_tokens, shape.num_heads, plan.max_partitions)
+    return Workspace(part_acc=cupy.empty(partials + (shape.head_size,), dtype=cupy.float32),
+                     part_max=cupy.empty(partials, dtype=cupy.float32),
+                     part_sum=cupy.empty(partials, dtype=cupy.float32))
 
+
+def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray,
+                     v_scale: np.ndarray) -> np.ndarray | None:
+    """The kernels' fp8 factors, float32 [2 * num_kv_heads] (K heads, then V heads), or None for
+    a plain cache. A software-widening kernel sees a code's value times 2^(bias - 15), so that
+    power of two is folded in here (variants.fp8_value_power)."""
+    if fmt is None:
+        return None
+    power = np.float32(variants.fp8_value_power(plan.variant, fmt.exponent_bias))
+    return np.concatenate([k_scale * power, v_scale * power]).astype(np.float32)
+
+
+def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_index: int, *,
+           out, lse, query, key_cache, value_cache, kv_scales, block_tables, seq_lens,
+           query_start_loc, alibi_slopes, sinks):
+    """Enqueue phase 1 (and phase 2 unless a single partition covers every sequence)."""
+    if shape.num_seqs == 0:
+        return
+    kernels = compiled_kernels(plan.variant, device_index)
     i32 = np.int32
     grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
     kernels[plan.variant.partition_name](grid, (variants.THREADS,), (
-        out, _ptr(lse), _ptr(part_acc), _ptr(part_max), _ptr(part_sum), query, key_cache,
-        value_cache, block_tables, seq_lens, _ptr(alibi_slopes), _ptr(sinks),
+        out, _ptr(lse), _ptr(workspace.part_acc), _ptr(workspace.part_max),
+        _ptr(workspace.part_sum), query, key_cache, value_cache, _ptr(kv_scales), block_tables,
+        seq_lens, _ptr(query_start_loc), _ptr(alibi_slopes), _ptr(sinks),
         np.float32(shape.scale), np.float32(shape.logits_soft_cap), i32(shape.sliding_window),
-        i32(shape.num_heads), i32(shape.num_kv_heads), i32(shape.block_size),
-        i32(shape.max_blocks_per_seq), i32(shape.num_blocks), i32(plan.partition_size),
-        i32(plan.max_partitions), i32(plan.head_chunks)))
+        i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
+        i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
+        i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks)))
     if not plan.single_partition:
-        kernels[plan.variant.reduce_name]((shape.num_seqs * shape.num_heads,), (variants.THREADS,), (
-            out, _ptr(lse), part_acc, part_max, part_sum, seq_lens, _ptr(sinks),
-            i32(shape.sliding_window), i32(shape.num_heads),
-            i32(shape.head_size), i32(plan.partition_size), i32(plan.max_partitions),
-            i32(shape.capacity)))
-    return out, lse
+        reduce_grid = (shape.num_heads, plan.max_query_len, shape.num_seqs)
+        kernels[plan.variant.reduce_name](reduce_grid, (variants.THREADS,), (
+            out, _ptr(lse), workspace.part_acc, workspace.part_max, workspace.part_sum, seq_lens,
+            _ptr(query_start_loc), _ptr(sinks), i32(shape.sliding_window),
+            i32(shape.num_tokens), i32(shape.num_heads), i32(shape.head_size),
+            i32(plan.partition_size), i32(plan.max_partitions), i32(shape.capacity)))

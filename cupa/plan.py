@@ -1,4 +1,4 @@
-"""Planning a decode launch: head chunks, partition size, grid and workspace.
+"""Planning a decode launch: row chunks, partition size and grid.
 
 The plan depends only on shapes (and an optional length hint), never on array contents, so it
 needs no device synchronisation. Partitions past a sequence's length exit at once, which is why a
@@ -17,11 +17,12 @@ MAX_GRID_YZ = 65535
 
 
 @dataclass(frozen=True)
-class DecodePlan:
+class LaunchPlan:
     variant: object  # a variants.DecodeVariant or DecodeMmaVariant
-    head_chunks: int       # workgroups per KV head (GQA groups larger than the head tile)
+    head_chunks: int       # workgroups per KV head (more query rows than the variant's tile)
     partition_size: int    # tokens per partition
     max_partitions: int    # partitions of the longest possible sequence
+    max_query_len: int = 1  # new tokens per sequence the grid covers
 
     @property
     def single_partition(self) -> bool:
@@ -34,9 +35,12 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
-              partition_size: int | None = None, max_seq_len: int | None = None) -> DecodePlan:
-    variant = variants.decode_variant(shape.dtype, shape.head_size, shape.group, arch)
-    head_chunks = -(-shape.group // variant.heads)
+              partition_size: int | None = None, max_seq_len: int | None = None,
+              max_query_len: int = 1) -> LaunchPlan:
+    """max_query_len: the most new tokens of a sequence (1 without query_start_loc)."""
+    rows = shape.group * max_query_len  # query rows per (sequence, KV head)
+    variant = variants.decode_variant(shape.dtype, shape.head_size, rows, arch, shape.kv_format)
+    head_chunks = -(-rows // variant.rows)
     capacity = shape.capacity
     if partition_size is None:
         longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
@@ -68,5 +72,5 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         partition_size = capacity
     if shape.num_seqs > MAX_GRID_YZ:
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
-    return DecodePlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
-                      max_partitions=max_partitions)
+    return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
+                      max_partitions=max_partitions, max_query_len=max_query_len)

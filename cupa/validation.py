@@ -14,6 +14,9 @@ import numpy as np
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+# Query dtypes an fp8 cache serves (the tensor cores and the kernels' fp8 variants).
+FP8_QUERY_DTYPES = ("float16", "bfloat16")
+MAX_QUERY_LEN = 16  # new tokens per sequence in one call (MAX_QUERY_LEN in decode_common.cuh)
 
 
 def dtype_name(dtype) -> str:
@@ -26,6 +29,7 @@ class DecodeShape:
     """Everything about one decode call that does not depend on array contents."""
 
     num_seqs: int
+    num_tokens: int  # query rows: num_seqs, or query_start_loc[-1] in multi-token decode
     num_heads: int
     num_kv_heads: int
     head_size: int
@@ -38,6 +42,8 @@ class DecodeShape:
     sliding_window: int = 0      # 0: attend to every position
     logits_soft_cap: float = 0.0  # 0: no soft-capping
     has_sinks: bool = False
+    multi_token: bool = False  # query_start_loc given
+    kv_format: str | None = None  # None: the cache holds the query dtype; else an fp8 format
 
     @property
     def group(self) -> int:
@@ -70,12 +76,24 @@ def _check_per_head(name, array, num_heads):
 
 
 def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
-                      scale=None, alibi_slopes=None, out=None, sliding_window=None,
-                      logits_soft_cap=None, sinks=None) -> DecodeShape:
-    """Validate metadata of the decode arguments and return the problem's shape."""
+                      query_start_loc=None, scale=None, alibi_slopes=None, out=None,
+                      sliding_window=None, logits_soft_cap=None, sinks=None,
+                      kv_format=None) -> DecodeShape:
+    """Validate metadata of the decode arguments and return the problem's shape.
+
+    kv_format: None or the name of an fp8 format (already checked by the caller)."""
     if query.ndim != 3:
-        raise _shape_error("query", "[num_seqs, num_heads, head_size]", query.shape)
-    num_seqs, num_heads, head_size = (int(d) for d in query.shape)
+        raise _shape_error("query", "[num_tokens, num_heads, head_size]", query.shape)
+    num_tokens, num_heads, head_size = (int(d) for d in query.shape)
+    num_seqs = num_tokens
+    if query_start_loc is not None:
+        if query_start_loc.ndim != 1 or int(query_start_loc.shape[0]) < 1:
+            raise _shape_error("query_start_loc", "[num_seqs + 1]", query_start_loc.shape)
+        if dtype_name(query_start_loc.dtype) != "int32":
+            raise TypeError(f"query_start_loc: dtype must be int32, got "
+                            f"{dtype_name(query_start_loc.dtype)}")
+        _require_c_contiguous("query_start_loc", query_start_loc)
+        num_seqs = int(query_start_loc.shape[0]) - 1
     dtype = dtype_name(query.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"query: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
@@ -89,10 +107,15 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
     if tuple(value_cache.shape) != tuple(key_cache.shape):
         raise _shape_error("value_cache", f"{tuple(key_cache.shape)} (same as key_cache)",
                            value_cache.shape)
+    if kv_format is not None and dtype not in FP8_QUERY_DTYPES:
+        raise TypeError(f"kv_format={kv_format!r}: an fp8 cache needs a query of dtype "
+                        f"{' or '.join(FP8_QUERY_DTYPES)}, got {dtype}")
+    cache_dtype = dtype if kv_format is None else "uint8"
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if dtype_name(cache.dtype) != dtype:
-            raise TypeError(f"{name}: dtype must match query ({dtype}), got "
-                            f"{dtype_name(cache.dtype)}")
+        if dtype_name(cache.dtype) != cache_dtype:
+            what = (f"must match query ({dtype})" if kv_format is None
+                    else f"must be uint8 (fp8 codes, kv_format={kv_format!r})")
+            raise TypeError(f"{name}: dtype {what}, got {dtype_name(cache.dtype)}")
         _require_c_contiguous(name, cache)
     if kv_head_size != head_size:
         raise ValueError(f"key_cache: head_size (last dim) must equal query's {head_size}, "
@@ -148,18 +171,43 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
     if not np.isfinite(scale):
         raise ValueError(f"scale: must be finite, got {scale}")
 
-    return DecodeShape(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+    return DecodeShape(num_seqs=num_seqs, num_tokens=num_tokens, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads,
                        head_size=head_size, num_blocks=num_blocks, block_size=block_size,
                        max_blocks_per_seq=int(block_tables.shape[1]), dtype=dtype, scale=scale,
                        has_alibi=alibi_slopes is not None, sliding_window=window,
-                       logits_soft_cap=soft_cap, has_sinks=sinks is not None)
+                       logits_soft_cap=soft_cap, has_sinks=sinks is not None,
+                       multi_token=query_start_loc is not None, kv_format=kv_format)
 
 
-def check_table_contents(shape: DecodeShape, block_tables: np.ndarray, seq_lens: np.ndarray):
-    """Value checks on host tables: lengths in range, and every used block id inside the cache."""
+def query_lens(shape: DecodeShape, query_start_loc: np.ndarray) -> np.ndarray:
+    """New tokens per sequence from a host query_start_loc, checked: starts at 0, ends at the
+    query's rows, and 1..MAX_QUERY_LEN tokens per sequence."""
+    loc = np.asarray(query_start_loc, dtype=np.int64)
+    if loc[0] != 0 or loc[-1] != shape.num_tokens:
+        raise ValueError(f"query_start_loc: must start at 0 and end at the query's rows "
+                         f"({shape.num_tokens}), got {int(loc[0])} ... {int(loc[-1])}")
+    lens = np.diff(loc)
+    bad = np.flatnonzero((lens < 1) | (lens > MAX_QUERY_LEN))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"query_start_loc: sequence {i} has {int(lens[i])} new tokens "
+                         f"(query_start_loc[{i}:{i + 2}] = {loc[i:i + 2].tolist()}); each "
+                         f"needs 1 to {MAX_QUERY_LEN}")
+    return lens
+
+
+def check_table_contents(shape: DecodeShape, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         new_tokens: np.ndarray | None = None):
+    """Value checks on host tables: lengths in range, every used block id inside the cache, and
+    (multi-token) every sequence at least as long as its new tokens."""
     seq_lens = np.asarray(seq_lens)
     if shape.num_seqs == 0:
         return
+    if new_tokens is not None and (seq_lens < new_tokens).any():
+        i = int(np.argmax(seq_lens < new_tokens))
+        raise ValueError(f"seq_lens[{i}] = {int(seq_lens[i])} is less than the sequence's "
+                         f"{int(new_tokens[i])} new tokens (seq_lens count them)")
     if seq_lens.min() < 0:
         bad = int(np.argmin(seq_lens))
         raise ValueError(f"seq_lens[{bad}]: must be >= 0, got {int(seq_lens[bad])}")

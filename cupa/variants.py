@@ -1,8 +1,9 @@
 """The compiled kernel variants: which exist, what they are called, and the source that builds them.
 
 Everything that is a compile-time choice lives here; everything else (block size, number of heads,
-GQA ratio within a variant's head tile, partition size, lengths) is a runtime argument, which keeps
-the variant count to dtypes x head sizes x head tiles.
+GQA ratio and new tokens per sequence within a variant's row tile, partition size, lengths, the
+fp8 format and scales) is a runtime argument, which keeps the variant count to
+query dtypes x cache kinds x head sizes x row tiles.
 """
 
 from __future__ import annotations
@@ -25,18 +26,45 @@ DTYPES = {
     "float32": ("f32", "float"),
 }
 HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
-# Query heads one workgroup handles against the KV rows it reads (GQA packing). Groups larger than
-# the largest tile are split into chunks of it across the grid; smaller ones use the smallest tile
-# that holds them, with the spare heads masked off at run time.
+# Query rows one workgroup handles against the KV rows it reads (GQA packing). A row is a (new
+# token, query head) pair of one KV head: the GQA group in plain decode, times the new tokens in
+# multi-token decode. More rows than the largest tile are split into chunks of it across the
+# grid; fewer use the smallest tile that holds them, with the spare rows masked off at run time.
 HEAD_TILES = (1, 2, 4, 8)
+# Cache storage besides "same dtype as the query", for float16 and bfloat16 queries:
+#   FP8_CACHE: fp8 codes of either e4m3 format, widened in software (the format is a runtime
+#     scale, see Elem<cupa_fp8> in common.cuh); every kernel family;
+#   FP8_E4M3_NATIVE: OCP e4m3fn codes converted by the hardware (cvt on NVIDIA sm_89+, exact
+#     values); the tensor-core kernels only.
+FP8_CACHE = "fp8"
+FP8_E4M3_NATIVE = "fp8_e4m3"
+FP8_QUERY_DTYPES = ("float16", "bfloat16")
+_CACHE_TYPES = {FP8_CACHE: ("kv8", "cupa_fp8"), FP8_E4M3_NATIVE: ("kv8fn", "cupa_fp8_e4m3")}
+NATIVE_FP8_MIN_SM = 89
 
 
-def head_tile(group: int) -> int:
-    """Head tile for `group` query heads per KV head."""
+def head_tile(rows: int) -> int:
+    """Row tile for `rows` query rows per KV head."""
     for tile in HEAD_TILES:
-        if group <= tile:
+        if rows <= tile:
             return tile
     return HEAD_TILES[-1]
+
+
+def _cache_type(dtype: str, cache: str | None) -> str:
+    """The kernels' cache storage type for a query dtype and cache kind."""
+    return _CACHE_TYPES[cache][1] if cache else DTYPES[dtype][1]
+
+
+def _sm(arch: str) -> int:
+    """80 for 'sm_80', 90 for 'sm_90a'; 0 for anything else (AMD)."""
+    return int(arch[3:].rstrip("a")) if arch.startswith("sm_") else 0
+
+
+def fp8_value_power(variant, exponent_bias: int) -> float:
+    """What the host folds into the fp8 scales for `variant`: the hardware conversion gives the
+    codes' values, the software one their values times 2^(bias - 15) (Elem<cupa_fp8>)."""
+    return 1.0 if variant.cache == FP8_E4M3_NATIVE else 2.0 ** (15 - exponent_bias)
 
 
 class _TwoPhase:
@@ -49,11 +77,12 @@ class _TwoPhase:
 
     @property
     def tag(self) -> str:
-        return DTYPES[self.dtype][0]
+        """Query dtype tag, plus 'kv8' for an fp8 cache."""
+        return DTYPES[self.dtype][0] + (_CACHE_TYPES[self.cache][0] if self.cache else "")
 
     @property
-    def reduce_name(self) -> str:
-        return f"cupa_reduce_{self.tag}"
+    def reduce_name(self) -> str:  # the reduce depends on the output dtype only
+        return f"cupa_reduce_{DTYPES[self.dtype][0]}"
 
     @property
     def entry_names(self) -> tuple[str, ...]:
@@ -65,11 +94,12 @@ class _TwoPhase:
 
 @dataclass(frozen=True)
 class DecodeVariant(_TwoPhase):
-    """The portable phase-1 kernel (decode.cu) with a compile-time head tile."""
+    """The portable phase-1 kernel (decode.cu) with a compile-time row tile."""
 
     dtype: str
     head_size: int
-    heads: int  # head tile
+    heads: int  # row tile
+    cache: str | None = None  # None: cache dtype = query dtype; FP8_CACHE: fp8 codes
     source_file = "decode.cu"
     # Partitioning hints for the planner: the fewest tokens a partition should hold, and how many
     # workgroups per multiprocessor to aim for before splitting sequences further.
@@ -77,32 +107,44 @@ class DecodeVariant(_TwoPhase):
     workgroups_per_sm = 4
 
     @property
+    def rows(self) -> int:
+        """Query rows per workgroup."""
+        return self.heads
+
+    @property
     def partition_name(self) -> str:
         return f"cupa_decode_{self.tag}_d{self.head_size}_h{self.heads}"
 
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
-        return [f"CUPA_DECODE_VARIANT({self.partition_name}, {ctype}, {self.head_size}, "
-                f"{self.heads})", self.reduce_instantiation()]
+        return [f"CUPA_DECODE_VARIANT({self.partition_name}, {ctype}, "
+                f"{_cache_type(self.dtype, self.cache)}, {self.head_size}, {self.heads})",
+                self.reduce_instantiation()]
 
 
 @dataclass(frozen=True)
 class DecodeMmaVariant(_TwoPhase):
     """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64 and 128.
 
-    heads=8: the group's query heads are the N=8 columns (groups of 2-8); heads=16: they are the
-    M=16 rows (groups of 9-16, and chunks of 16 of larger groups).
+    heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
+    of one m-tile per warp (9-64 rows, and chunks of 64 of more).
     """
 
     dtype: str
     head_size: int
     heads: int
+    cache: str | None = None
     source_file = "decode_mma.cu"
     # About 2 workgroups fit on a multiprocessor (~250 registers a thread): aim for one wave of
     # long partitions. Shorter partitions and more waves were measured slower (docs/perf.md,
     # v3-v4): each partition's fixed cost and the reduce pass outweigh the better balance.
     min_partition = 256
     workgroups_per_sm = 2
+
+    @property
+    def rows(self) -> int:
+        """Query rows per workgroup: 8 columns, or a 16-row tile for each of the 4 warps."""
+        return 8 if self.heads == 8 else 16 * (THREADS // 32)
 
     @property
     def partition_name(self) -> str:
@@ -112,7 +154,8 @@ class DecodeMmaVariant(_TwoPhase):
         ctype = DTYPES[self.dtype][1]
         kernel = f"decode_partition_mma{self.heads}"
         return [f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, {kernel}, {ctype}, "
-                f"{self.head_size})", self.reduce_instantiation()]
+                f"{_cache_type(self.dtype, self.cache)}, {self.head_size})",
+                self.reduce_instantiation()]
 
 
 MMA_DTYPES = ("float16", "bfloat16")
@@ -125,30 +168,39 @@ MMA_MIN_SM = 80
 MMA_MIN_GROUP = 1
 
 
-def mma_eligible(dtype: str, head_size: int, group: int, arch: str) -> bool:
-    """Whether the tensor-core kernel serves this problem on this target."""
+def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
+    """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
+    this target."""
     if os.environ.get("CUPA_KERNEL", "auto") == "portable":
         return False
-    if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < MMA_MIN_SM:
+    if _sm(arch) < MMA_MIN_SM:
         return False
-    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and group >= MMA_MIN_GROUP
+    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
 
 
-def decode_variant(dtype: str, head_size: int, group: int, arch: str = ""):
-    """The phase-1 variant for a problem on a target. CUPA_KERNEL=portable in the environment
-    forces the portable kernel (for tests and benchmarks)."""
-    if mma_eligible(dtype, head_size, group, arch):
-        return DecodeMmaVariant(dtype, head_size, 8 if group <= 8 else 16)
-    return DecodeVariant(dtype, head_size, head_tile(group))
+def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
+                   kv_format: str | None = None):
+    """The phase-1 variant for a problem on a target: `rows` = query rows per KV head (GQA group
+    x new tokens per sequence), `kv_format` = None or an fp8 format name. CUPA_KERNEL=portable
+    in the environment forces the portable kernel (for tests and benchmarks)."""
+    cache = None if kv_format is None else FP8_CACHE
+    if mma_eligible(dtype, head_size, rows, arch):
+        if kv_format == FP8_E4M3_NATIVE and _sm(arch) >= NATIVE_FP8_MIN_SM:
+            cache = FP8_E4M3_NATIVE
+        return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
+    return DecodeVariant(dtype, head_size, head_tile(rows), cache)
 
 
 def all_decode_variants() -> list[DecodeVariant]:
-    return [DecodeVariant(dtype, d, h) for dtype in DTYPES for d in HEAD_SIZES for h in HEAD_TILES]
+    plain = [DecodeVariant(dtype, d, h) for dtype in DTYPES for d in HEAD_SIZES for h in HEAD_TILES]
+    fp8 = [DecodeVariant(dtype, d, h, FP8_CACHE) for dtype in FP8_QUERY_DTYPES
+           for d in HEAD_SIZES for h in HEAD_TILES]
+    return plain + fp8
 
 
 def all_mma_variants() -> list[DecodeMmaVariant]:
-    return [DecodeMmaVariant(dtype, d, h) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
-            for h in MMA_HEAD_TILES]
+    return [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
+            for h in MMA_HEAD_TILES for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)]
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -176,7 +228,25 @@ def _expanded(filename: str) -> str:
 
 def module_source(variant) -> str:
     """Self-contained source of the module holding one variant (of any kernel family)."""
-    return _expanded(variant.source_file) + "\n" + "\n".join(variant.instantiations()) + "\n"
+    return batch_source([variant])
+
+
+def batch_source(group) -> str:
+    """One source instantiating every variant of `group` (all of one source file), each entry
+    point once (variants of a dtype share their reduce kernel)."""
+    files = {v.source_file for v in group}
+    if len(files) != 1:
+        raise ValueError(f"a batch must come from one source file, got {sorted(files)}")
+    lines = list(dict.fromkeys(line for v in group for line in v.instantiations()))
+    return _expanded(files.pop()) + "\n" + "\n".join(lines) + "\n"
+
+
+def offline_batches(arch: str, size: int = 32) -> list[list]:
+    """The variants for `arch` in batches of one source file and dtype, for the offline check."""
+    groups: dict = {}
+    for v in all_variants(arch):
+        groups.setdefault((v.source_file, getattr(v, "dtype", "")), []).append(v)
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 # Kernel families register a function listing all their variants, for the offline compile check.
@@ -194,25 +264,40 @@ def all_variants(arch: str | None = None) -> list:
 
 @dataclass(frozen=True)
 class CacheWriteVariant:
-    """The KV-cache write kernel of one dtype (head size and block size are runtime args)."""
+    """The KV-cache write kernel of one dtype (head size and block size are runtime args).
+
+    kv_format None copies rows of `dtype` as they are; 'fp8' (or any fp8 format name, which
+    becomes 'fp8') quantises them to fp8 codes. One kernel serves every fp8 format: the format
+    and the per-head scales are runtime arguments.
+    """
 
     dtype: str
+    kv_format: str | None = None
     source_file = "cache_write.cu"
+
+    def __post_init__(self):
+        if self.kv_format is not None:
+            if not str(self.kv_format).startswith("fp8"):
+                raise ValueError(f"kv_format: None or an fp8 format, got {self.kv_format!r}")
+            object.__setattr__(self, "kv_format", "fp8")
 
     @property
     def write_name(self) -> str:
-        return f"cupa_cache_write_{DTYPES[self.dtype][0]}"
+        suffix = "_fp8" if self.kv_format else ""
+        return f"cupa_cache_write_{DTYPES[self.dtype][0]}{suffix}"
 
     @property
     def entry_names(self) -> tuple[str, ...]:
         return (self.write_name,)
 
     def instantiations(self) -> list[str]:
-        return [f"CUPA_CACHE_WRITE_VARIANT({self.write_name}, {DTYPES[self.dtype][1]})"]
+        macro = "CUPA_CACHE_WRITE_FP8_VARIANT" if self.kv_format else "CUPA_CACHE_WRITE_VARIANT"
+        return [f"{macro}({self.write_name}, {DTYPES[self.dtype][1]})"]
 
 
 def all_cache_write_variants() -> list[CacheWriteVariant]:
-    return [CacheWriteVariant(dtype) for dtype in DTYPES]
+    return [CacheWriteVariant(dtype, kv_format) for kv_format in (None, "fp8")
+            for dtype in DTYPES]
 
 
 VARIANT_FAMILIES["cache_write"] = all_cache_write_variants

@@ -4,6 +4,7 @@
     python examples/bench_generate.py                      # default matrix, 8 of 32 layers
     python examples/bench_generate.py --layers 32 --prompts 32 --output-lens 256
     python examples/bench_generate.py --json /tmp/bench.json
+    python examples/bench_generate.py --kv-format fp8_e4m3   # fp8 KV cache (scales calibrated)
 
 The model is Llama-2-7B-shaped (hidden 4096, 32 heads, MHA, head 128, MLP 11008, vocab 32000)
 with random fp16 weights made on the GPU; by default only 8 of its 32 layers are built so the
@@ -53,6 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8,
                    help="decoder layers to build, of Llama-2-7B's 32 (default 8, for time)")
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
+    p.add_argument("--kv-format", default="none",
+                   choices=("none", "fp8_e4m3", "fp8_e4m3fnuz", "auto"),
+                   help="KV-cache storage as in generate.py (default none = fp16); fp8 scales "
+                        "are calibrated on each run's prompts, off the clock")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -78,17 +83,24 @@ def copy_bandwidth(cupy, nbytes=2 << 30, repeats=10) -> float:
     return 2 * nbytes * repeats / seconds
 
 
-def run_one(model, cupy, *, prompts, input_len, output_len, attention, block_size, seed):
+def run_one(model, cupy, *, prompts, input_len, output_len, attention, block_size, seed,
+            kv_format=None):
     from llm.engine import Engine
-    from llm.runtime import make_cache
+    from llm.runtime import calibrate_kv_scales, make_cache
     from llm.sampling import SamplingParams
-    blocks = prompts * (math.ceil((input_len + output_len) / block_size) + 1)
-    cache = make_cache(model, blocks, block_size, "gpu")
-    engine = Engine(model, cache, attention=attention, backend="gpu", max_batch=prompts)
     rng = np.random.default_rng(seed)
+    prompt_ids = [rng.integers(3, model.config.vocab_size, input_len).tolist()
+                  for _ in range(prompts)]
+    scales = {}
+    if kv_format:
+        scales = dict(zip(("k_scale", "v_scale"),
+                          calibrate_kv_scales(model, prompt_ids, kv_format)))
+    blocks = prompts * (math.ceil((input_len + output_len) / block_size) + 1)
+    cache = make_cache(model, blocks, block_size, "gpu", kv_format=kv_format, **scales)
+    engine = Engine(model, cache, attention=attention, backend="gpu", max_batch=prompts)
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
-    for _ in range(prompts):
-        engine.add_request(rng.integers(3, model.config.vocab_size, input_len).tolist(), params)
+    for ids in prompt_ids:
+        engine.add_request(ids, params)
     cupy.cuda.Device().synchronize()
     start = time.perf_counter()
     engine.run()
@@ -98,7 +110,7 @@ def run_one(model, cupy, *, prompts, input_len, output_len, attention, block_siz
     del engine, cache
     cupy.get_default_memory_pool().free_all_blocks()
     return {"prompts": prompts, "input_len": input_len, "output_len": output_len,
-            "attention": attention, "seconds": elapsed,
+            "attention": attention, "kv_format": kv_format or "float16", "seconds": elapsed,
             "output_tokens_per_s": s.generated_tokens / elapsed,
             "prefill_seconds": s.prefill_time, "decode_steps": s.decode_steps,
             "decode_step_ms": 1e3 * s.decode_time / max(s.decode_steps, 1),
@@ -111,8 +123,9 @@ def roofline(model, run, bandwidth):
     `bandwidth`: all weights once (the LM head included) + every sequence's K and V."""
     cfg = model.config
     context = run["input_len"] + run["output_len"] / 2
+    itemsize = 1 if run["kv_format"].startswith("fp8") else model.dtype.itemsize
     kv_bytes = (run["prompts"] * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-                * model.dtype.itemsize)
+                * itemsize)
     weight_bytes = model.weights.nbytes()
     seconds = (weight_bytes + kv_bytes) / bandwidth
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "avg_context": context,
@@ -132,13 +145,16 @@ def main(argv=None) -> int:
     from cupa.device import device_info
     from llm.config import ModelConfig
     from llm.model import Model
+    from llm.runtime import resolve_kv_format
     from llm.weights import random_weights
 
     config = ModelConfig(architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=10000.0,
                          max_position_embeddings=4096, **dict(LLAMA2_7B, num_layers=args.layers))
     device = device_info().name
+    kv_format = resolve_kv_format(args.kv_format, "gpu")
     note = (f"Llama-2-7B shape with {args.layers} of 32 layers (random fp16 weights)"
             if args.layers != 32 else "Llama-2-7B shape, all 32 layers (random fp16 weights)")
+    note += f", {kv_format or 'float16'} KV cache"
     print(f"{device}: {note}", file=sys.stderr)
     weights = random_weights(config, cupy, np.float16, seed=args.seed)
     model = Model(config, weights, cupy, np.float16)
@@ -148,7 +164,7 @@ def main(argv=None) -> int:
 
     for attention in args.attention:  # compile kernels and warm cupy's caches off the clock
         run_one(model, cupy, prompts=2, input_len=32, output_len=4, attention=attention,
-                block_size=args.block_size, seed=args.seed)
+                block_size=args.block_size, seed=args.seed, kv_format=kv_format)
 
     results = []
     shapes = [(n, o) for o in args.output_lens for n in args.prompts]
@@ -156,7 +172,8 @@ def main(argv=None) -> int:
     for n, out_len in shapes:
         for attention in args.attention:
             r = run_one(model, cupy, prompts=n, input_len=args.input_len, output_len=out_len,
-                        attention=attention, block_size=args.block_size, seed=args.seed)
+                        attention=attention, block_size=args.block_size, seed=args.seed,
+                        kv_format=kv_format)
             results.append(r)
             print(f"[{len(results)}/{total}] {n} prompts x {args.input_len} in x {out_len} out, "
                   f"{attention}: {r['output_tokens_per_s']:.0f} output tok/s, decode step "
@@ -193,7 +210,7 @@ def main(argv=None) -> int:
 
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "device": device, "model": note, "layers": args.layers,
+            "device": device, "model": note, "layers": args.layers, "kv_format": kv_format,
             "block_size": args.block_size, "copy_bandwidth_bytes_per_s": bandwidth,
             "results": results, "roofline": roof}, indent=2))
         print(f"\nwrote {args.json}", file=sys.stderr)

@@ -25,11 +25,12 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # cupa from a s
 
 from llm.config import UnsupportedModelError  # noqa: E402
 from llm.engine import Engine  # noqa: E402
-from llm.runtime import default_num_blocks, load_model, make_cache  # noqa: E402
+from llm.runtime import (calibrate_kv_scales, default_num_blocks, load_model,  # noqa: E402
+                         make_cache, resolve_kv_format)
 from llm.sampling import SamplingParams  # noqa: E402
 from llm.tokenizer import TextStream, load_tokenizer, tokenizers_available  # noqa: E402
 
-KV_FORMATS = ("auto", "none")
+KV_FORMATS = ("none", "fp8_e4m3", "fp8_e4m3fnuz", "auto")
 
 
 def parse_ids(text: str):
@@ -40,6 +41,19 @@ def parse_ids(text: str):
     if not ids:
         raise argparse.ArgumentTypeError("empty --prompt-ids")
     return ("ids", ids)
+
+
+def parse_kv_scale(text: str):
+    """'calibrate' or a positive scale (kept within a range whose reciprocal float32 holds)."""
+    if text == "calibrate":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1e-30 < value < 1e30:
+        raise argparse.ArgumentTypeError(f"expected 'calibrate' or a positive number, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache blocks (default: enough for every prompt at full length, "
                         "capped at 80%% of free GPU memory); fewer make sequences wait or be "
                         "preempted")
-    p.add_argument("--kv-format", default="auto",
-                   help="KV-cache storage: 'auto' (= the compute dtype); fp8 is not available yet")
+    p.add_argument("--kv-format", default="none", choices=KV_FORMATS,
+                   help="KV-cache storage: 'none' (default) = the compute dtype; 'fp8_e4m3' (OCP "
+                        "e4m3fn) or 'fp8_e4m3fnuz' (AMD MI300) = one byte per element, half "
+                        "the memory of fp16 (twice the blocks); 'auto' = the fp8 format this GPU "
+                        "converts in hardware (python -m cupa info), else none")
+    p.add_argument("--kv-scale", type=parse_kv_scale, default="calibrate",
+                   help="fp8 only: one scale for K and V (stored code = x / scale), or "
+                        "'calibrate' (default): per KV head, 2 x max|K| (resp. |V|) / the "
+                        "format's largest value, the max taken over all prompt tokens and all "
+                        "layers (the cache has one scale set for every layer) in an extra "
+                        "prefill pass")
     p.add_argument("--backend", choices=("gpu", "numpy"), default=None,
                    help="default: gpu when cupy sees a device, else numpy")
     p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
@@ -105,14 +128,17 @@ class Streamer:
             self.out.flush()
 
 
+def _scales(values) -> str:
+    """A short text for per-head scales: one number if they are all equal, else min..max."""
+    lo, hi = float(values.min()), float(values.max())
+    return f"{lo:.3g}" if lo == hi else f"{lo:.3g}..{hi:.3g}"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.prompts:
         parser.error("give at least one --prompt or --prompt-ids")
-    if args.kv_format.lower() not in KV_FORMATS:
-        parser.error(f"--kv-format {args.kv_format}: fp8 (and other quantised) KV caches are not "
-                     f"available yet; use --kv-format auto")
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -140,15 +166,28 @@ def main(argv=None) -> int:
             print(f"error: prompt {i}: token ids must be in [0, {vocab}) and at least one",
                   file=sys.stderr)
             return 2
+    kv_format = resolve_kv_format(args.kv_format, backend)
+    if kv_format is None and args.kv_scale != "calibrate":
+        parser.error(f"--kv-scale needs an fp8 KV cache, but --kv-format {args.kv_format} "
+                     f"stores {model.dtype.name} here")
+    k_scale = v_scale = None
+    if kv_format and args.kv_scale == "calibrate":
+        k_scale, v_scale = calibrate_kv_scales(model, prompts, kv_format)
+    elif kv_format:
+        k_scale = v_scale = args.kv_scale
     lengths = [len(p) + args.max_new_tokens for p in prompts]
-    num_blocks = args.num_blocks or default_num_blocks(model, args.block_size, lengths, backend)
-    cache = make_cache(model, num_blocks, args.block_size, backend)
+    num_blocks = args.num_blocks or default_num_blocks(model, args.block_size, lengths, backend,
+                                                       kv_format=kv_format)
+    cache = make_cache(model, num_blocks, args.block_size, backend, kv_format=kv_format,
+                       k_scale=k_scale, v_scale=v_scale)
     cfg = model.config
     log = sys.stderr if args.json else sys.stdout
+    storage = (f"{kv_format}, scales K {_scales(cache.k_scale)} V {_scales(cache.v_scale)}"
+               if kv_format else model.dtype.name)
     print(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
           f"{cfg.num_heads}/{cfg.num_kv_heads}, vocab {cfg.vocab_size} | backend {backend}, "
           f"{model.dtype.name} | {len(prompts)} prompts, KV cache {num_blocks} blocks x "
-          f"{args.block_size} tokens", file=sys.stderr)
+          f"{args.block_size} tokens ({storage})", file=sys.stderr)
 
     streamer = None if args.quiet else Streamer(tokenizer, log, tagged=len(prompts) > 1)
     if streamer is not None and len(prompts) == 1 and tokenizer is not None:

@@ -24,6 +24,7 @@ class Case:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     sinks: np.ndarray | None = None
+    query_start_loc: np.ndarray | None = None  # multi-token decode
 
     def args(self):
         return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens)
@@ -31,7 +32,8 @@ class Case:
     def options(self, to_array=lambda a: a):
         """The keyword options of this case, for `cupa.decode` and the reference alike;
         `to_array` moves the per-head arrays (e.g. to the GPU)."""
-        per_head = {"alibi_slopes": self.alibi_slopes, "sinks": self.sinks}
+        per_head = {"alibi_slopes": self.alibi_slopes, "sinks": self.sinks,
+                    "query_start_loc": self.query_start_loc}
         return dict(scale=self.scale, sliding_window=self.sliding_window,
                     logits_soft_cap=self.logits_soft_cap,
                     **{k: None if v is None else to_array(v) for k, v in per_head.items()})
@@ -40,8 +42,12 @@ class Case:
 def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_heads=2, group=1,
               seq_lens=(1, 17, 300), alibi=False, num_blocks=None, spare_columns=2,
               shared_blocks=True, sliding_window=None, logits_soft_cap=None,
-              sinks=False) -> Case:
+              sinks=False, new_tokens=None) -> Case:
     """A fresh random problem.
+
+    new_tokens: None (one query token per sequence), or the new tokens of each sequence (an int
+    for all, or one per sequence) for multi-token decode with query_start_loc; sequences shorter
+    than their new tokens are lengthened.
 
     Block tables draw ids with replacement when `shared_blocks` (blocks repeat within and across
     sequences, as after fork or prefix sharing); columns past each sequence's last block hold
@@ -50,6 +56,13 @@ def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_head
     np_dtype = DTYPES[dtype]
     seq_lens = np.asarray(seq_lens, dtype=np.int32)
     num_seqs = len(seq_lens)
+    query_start_loc = None
+    num_tokens = num_seqs
+    if new_tokens is not None:
+        q_lens = np.broadcast_to(np.asarray(new_tokens, dtype=np.int32), (num_seqs,))
+        seq_lens = np.maximum(seq_lens, q_lens)
+        query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        num_tokens = int(query_start_loc[-1])
     blocks_needed = -(-seq_lens // block_size)
     max_blocks = int(blocks_needed.max(initial=0)) + spare_columns
     if num_blocks is None:
@@ -74,7 +87,7 @@ def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_head
         rows = (int(n), num_kv_heads, head_size)
         key_cache[blocks, :, offsets] = rng.standard_normal(rows, dtype=np.float32)
         value_cache[blocks, :, offsets] = rng.standard_normal(rows, dtype=np.float32)
-    query = 2.0 * rng.standard_normal((num_seqs, num_heads, head_size))
+    query = 2.0 * rng.standard_normal((num_tokens, num_heads, head_size))
     slopes = None
     if alibi:
         slopes = (2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads)).astype(np.float32)
@@ -83,7 +96,7 @@ def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_head
                 value_cache=value_cache.astype(np_dtype), block_tables=block_tables,
                 seq_lens=seq_lens, alibi_slopes=slopes, scale=float(head_size ** -0.5),
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                sinks=sink_logits)
+                sinks=sink_logits, query_start_loc=query_start_loc)
 
 
 def rel_error(out, ref) -> float:

@@ -19,6 +19,9 @@ def test_info():
     assert "cupa 0.1.0" in result.stdout
     assert "default backend:" in result.stdout
     assert "kernel variants:" in result.stdout
+    assert "default kv_format:" in result.stdout
+    if not gpu_available():
+        assert "default kv_format: none detected" in result.stdout
 
 
 def test_compile_reports_bad_target():

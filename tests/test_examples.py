@@ -20,12 +20,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import cupa
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 from llm.config import UnsupportedModelError, parse_config  # noqa: E402
 from llm.engine import Engine  # noqa: E402
-from llm.runtime import load_model, make_cache  # noqa: E402
+from llm.runtime import (KV_SCALE_HEADROOM, calibrate_kv_scales, load_model,  # noqa: E402
+                         make_cache, resolve_kv_format)
 from llm.sampling import SamplingParams, sample  # noqa: E402
 from make_tiny_llama import make_checkpoint  # noqa: E402
 
@@ -148,9 +151,14 @@ def expected(models):
 
 
 def run_engine(path, prompts, *, num_blocks=64, block_size=16, attention="paged", backend="numpy",
-               params=None, seed=0, dtype="auto", **engine_kwargs):
+               params=None, seed=0, dtype="auto", kv_format=None, **engine_kwargs):
+    """Generate `prompts` as one batch; an fp8 kv_format gets scales calibrated on the prompts
+    (as generate.py does by default)."""
     model, backend = load_model(path, backend=backend, dtype=dtype, progress=False)
-    cache = make_cache(model, num_blocks, block_size, backend)
+    scales = {}
+    if kv_format:
+        scales = dict(zip(("k_scale", "v_scale"), calibrate_kv_scales(model, prompts, kv_format)))
+    cache = make_cache(model, num_blocks, block_size, backend, kv_format=kv_format, **scales)
     engine = Engine(model, cache, attention=attention, backend=backend, **engine_kwargs)
     params = params or SamplingParams(max_new_tokens=MAX_NEW)
     seqs = engine.generate(prompts, params, seed=seed)
@@ -218,6 +226,92 @@ def test_prompt_larger_than_cache_is_reported_not_raised(models, expected):
     assert [s.output_ids for s in seqs[1:]] == expected["llama"][:2]
 
 
+# --- fp8 KV cache ------------------------------------------------------------------------------
+
+def record_logits(steps):
+    """An on_logits hook appending each sequence's float64 host logits to steps[seq_id]."""
+    def record(seqs, logits):
+        host = logits.get() if hasattr(logits, "get") else np.asarray(logits)
+        for row, seq in enumerate(seqs):
+            steps.setdefault(seq.seq_id, []).append(host[row].astype(np.float64))
+    return record
+
+
+def logits_errors(model, seqs, steps):
+    """Per sequence, ||logits - ref|| / ||ref|| of every step against the float64 reference on
+    the engine's own tokens (so errors do not compound through diverging tokens)."""
+    errors = []
+    for seq in seqs:
+        full = seq.prompt_ids + seq.output_ids
+        ref = reference_logits(model, full[:-1])[len(seq.prompt_ids) - 1:]
+        got = np.stack(steps[seq.seq_id])
+        assert got.shape == ref.shape
+        errors.append(np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1))
+    return errors
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_e4m3fnuz"])
+def test_fp8_kv_cache_stays_close_to_float(models, expected, kv_format):
+    model, steps = models["llama"], {}
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    seqs, engine = run_engine(model["path"], PROMPTS, params=params, kv_format=kv_format,
+                              on_logits=record_logits(steps))
+    cache = engine.cache
+    assert cache.kv_format == kv_format and cache.key_cache(0).dtype == np.uint8
+    assert all(len(s.output_ids) == MAX_NEW for s in seqs)
+    # Greedy tokens may drift once fp8 rounding flips a near tie; the first ones must not.
+    assert [s.output_ids[:3] for s in seqs] == [e[:3] for e in expected["llama"]]
+    errors = logits_errors(model, seqs, steps)
+    # Step 0 comes from prefill, whose attention uses the unquantised K/V: float32-exact.
+    assert max(e[0] for e in errors) < 1e-4
+    # Decode steps read K/V through 3 mantissa bits: a few percent (measured ~0.03).
+    assert max(e.max() for e in errors) < 0.05
+    assert cache.num_free_blocks == 64
+
+
+def test_fp8_naive_path_reads_the_same_codes(models):
+    path = models["qwen2-bf16-sharded"]["path"]
+    paged, _ = run_engine(path, PROMPTS, kv_format="fp8_e4m3", block_size=8)
+    naive, _ = run_engine(path, PROMPTS, kv_format="fp8_e4m3", block_size=8, attention="naive")
+    assert [s.output_ids for s in naive] == [s.output_ids for s in paged]
+
+
+def test_fp8_with_preemption_runs_to_completion(models):
+    # As test_preemption_recomputes_the_same_tokens, on an fp8 cache. The recompute attends over
+    # unquantised K/V where the decode steps read codes, so tokens may differ slightly from an
+    # unpreempted run; the run must still finish every sequence and free every block.
+    model = models["llama"]
+    prompts = [[1] + [(7 * i + j) % 300 + 3 for j in range(7)] for i in range(4)]
+    seqs, engine = run_engine(model["path"], prompts, num_blocks=8, block_size=8,
+                              kv_format="fp8_e4m3",
+                              params=SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert engine.stats.preemptions > 0
+    assert all(len(s.output_ids) == 16 for s in seqs)
+    assert [s.output_ids[0] for s in seqs] == [reference_greedy(model, p, 1)[0] for p in prompts]
+    assert engine.cache.num_free_blocks == 8
+
+
+def test_fp8_calibrated_scales_map_the_prompt_max_to_half_the_range(models):
+    # One prefill (max_new_tokens=1: no decode step), then every KV head's largest stored code,
+    # over all layers, is the format's largest value / KV_SCALE_HEADROOM.
+    kv_format, fmt_max = "fp8_e4m3", 448.0
+    _, engine = run_engine(models["llama"]["path"], PROMPTS, kv_format=kv_format,
+                           params=SamplingParams(max_new_tokens=1))
+    cache = engine.cache
+    assert cache.k_scale.shape == (cache.num_kv_heads,) and (cache.k_scale > 0).all()
+    for codes_of in (cache.key_cache, cache.value_cache):  # unused blocks hold zeros
+        codes = np.stack([codes_of(layer) for layer in range(cache.num_layers)])
+        values = np.abs(cupa.dequantize_fp8(codes, kv_format))      # code values, unscaled
+        head_max = values.max(axis=(0, 1, 3, 4))
+        np.testing.assert_array_equal(head_max, fmt_max / KV_SCALE_HEADROOM)
+
+
+def test_resolve_kv_format():
+    assert resolve_kv_format("none", "numpy") is None
+    assert resolve_kv_format("auto", "numpy") is None  # no GPU: no fp8 hardware to prefer
+    assert resolve_kv_format("fp8_e4m3fnuz", "numpy") == "fp8_e4m3fnuz"
+
+
 # --- sampling ----------------------------------------------------------------------------------
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(models):
@@ -281,11 +375,31 @@ def test_cli_text_prompt(models):
     assert len(records[0]["output_ids"]) <= 4 and "output_text" in records[0]
 
 
-def test_cli_rejects_fp8_kv_format(models):
+@pytest.mark.parametrize("scale", [None, "0.02"])
+def test_cli_fp8_kv_format(models, expected, scale):
+    args = ["--model", str(models["llama"]["path"]), "--backend", "numpy", "--max-new-tokens",
+            str(MAX_NEW), "--ignore-eos", "--json", "--kv-format", "fp8_e4m3"]
+    args += ["--kv-scale", scale] if scale else []
+    for prompt in PROMPTS[:3]:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert "fp8_e4m3, scales K" in result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [len(r["output_ids"]) for r in records] == [MAX_NEW] * 3
+    assert [r["output_ids"][:3] for r in records] == [e[:3] for e in expected["llama"][:3]]
+
+
+@pytest.mark.parametrize("options, messages", [
+    (["--kv-format", "bogus"], ["--kv-format", "invalid choice", "bogus", "fp8_e4m3fnuz"]),
+    (["--kv-format", "fp8_e4m3", "--kv-scale", "-1"], ["'calibrate' or a positive number"]),
+    (["--kv-scale", "0.5"], ["--kv-scale needs an fp8 KV cache"]),
+])
+def test_cli_rejects_bad_kv_options(models, options, messages):
     result = run_cli("--model", str(models["llama"]["path"]), "--prompt-ids", "1,2",
-                     "--kv-format", "fp8")
-    assert result.returncode == 2
-    assert "fp8" in result.stderr and "not available yet" in result.stderr
+                     "--backend", "numpy", *options)
+    assert result.returncode == 2 and result.stdout == ""
+    assert all(m in result.stderr for m in messages), result.stderr
 
 
 def test_cli_unsupported_model(tmp_path):

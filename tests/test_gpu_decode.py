@@ -181,7 +181,7 @@ def test_tensor_core_kernel_is_chosen_where_it_applies():
     from cupa.plan import make_plan
     from cupa.validation import DecodeShape
     arch = device_info().target.arch
-    shape = DecodeShape(num_seqs=4, num_heads=64, num_kv_heads=8, head_size=128, num_blocks=64,
+    shape = DecodeShape(num_seqs=4, num_tokens=4, num_heads=64, num_kv_heads=8, head_size=128, num_blocks=64,
                         block_size=16, max_blocks_per_seq=16, dtype="float16", scale=0.1,
                         has_alibi=False)
     variant = make_plan(shape, 132, arch=arch).variant

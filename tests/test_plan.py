@@ -10,11 +10,12 @@ H200_SMS = 132
 
 
 def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size=16,
-          dtype="float16", window=0):
-    return DecodeShape(num_seqs=batch, num_heads=heads, num_kv_heads=kv_heads,
+          dtype="float16", window=0, kv_format=None):
+    return DecodeShape(num_seqs=batch, num_tokens=batch, num_heads=heads, num_kv_heads=kv_heads,
                        head_size=head_size, num_blocks=batch * seq_len // block_size,
                        block_size=block_size, max_blocks_per_seq=-(-seq_len // block_size),
-                       dtype=dtype, scale=0.1, has_alibi=False, sliding_window=window)
+                       dtype=dtype, scale=0.1, has_alibi=False, sliding_window=window,
+                       kv_format=kv_format)
 
 
 @pytest.mark.parametrize("dtype, head_size, group, arch, expected", [
@@ -26,10 +27,29 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 128, 8, "gfx942", "cupa_decode_f16_d128_h8"),     # AMD: portable kernel
     ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
     ("float16", 96, 3, "sm_90", "cupa_decode_f16_d96_h4"),        # head 96: portable, tile 4
-    ("bfloat16", 256, 12, "sm_90", "cupa_decode_bf16_d256_h8"),   # chunks of 8 heads
+    ("bfloat16", 256, 12, "sm_90", "cupa_decode_bf16_d256_h8"),   # chunks of 8 rows
 ])
 def test_kernel_selection(dtype, head_size, group, arch, expected):
     assert variants.decode_variant(dtype, head_size, group, arch).partition_name == expected
+
+
+@pytest.mark.parametrize("dtype, head_size, rows, arch, fmt, expected, power", [
+    # OCP e4m3 on sm_89+: hardware conversion, exact values (power 1)
+    ("float16", 128, 8, "sm_90", "fp8_e4m3", "cupa_decode_mma8_f16kv8fn_d128", 1),
+    ("bfloat16", 128, 32, "sm_89", "fp8_e4m3", "cupa_decode_mma16_bf16kv8fn_d128", 1),
+    # software widening elsewhere: values times 2^(bias - 15)
+    ("float16", 128, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d128", 2 ** 8),
+    ("float16", 128, 8, "sm_90", "fp8_e4m3fnuz", "cupa_decode_mma8_f16kv8_d128", 2 ** 7),
+    ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_bf16kv8_d96_h4", 2 ** 8),
+    ("float16", 128, 8, "gfx942", "fp8_e4m3fnuz", "cupa_decode_f16kv8_d128_h8", 2 ** 7),
+])
+def test_fp8_kernel_selection(dtype, head_size, rows, arch, fmt, expected, power):
+    from cupa.fp8 import FP8_FORMATS
+    variant = variants.decode_variant(dtype, head_size, rows, arch, fmt)
+    assert variant.partition_name == expected
+    assert variants.fp8_value_power(variant, FP8_FORMATS[fmt].exponent_bias) == power
+    assert variant.reduce_name == f"cupa_reduce_{variants.DTYPES[dtype][0]}"
+    assert variant in variants.all_variants(arch)
 
 
 def test_forcing_the_portable_kernel(monkeypatch):
@@ -37,11 +57,23 @@ def test_forcing_the_portable_kernel(monkeypatch):
     assert isinstance(variants.decode_variant("float16", 128, 8, "sm_90"), variants.DecodeVariant)
 
 
-def test_head_chunks_cover_the_group():
+def test_row_chunks_cover_the_group():
     plan = make_plan(shape(heads=64, kv_heads=1), H200_SMS, arch="sm_90")
-    assert plan.variant.heads == 16 and plan.head_chunks == 4
+    assert plan.variant.heads == 16 and plan.variant.rows == 64 and plan.head_chunks == 1
+    plan = make_plan(shape(heads=128, kv_heads=1), H200_SMS, arch="sm_90")
+    assert plan.head_chunks == 2
     plan = make_plan(shape(heads=12, kv_heads=1, head_size=96), H200_SMS, arch="sm_90")
     assert plan.variant.heads == 8 and plan.head_chunks == 2
+
+
+def test_row_chunks_cover_every_new_token():
+    # group 8 x 4 new tokens = 32 rows: one 64-row mma16 workgroup; portable: 4 chunks of 8.
+    plan = make_plan(shape(), H200_SMS, arch="sm_90", max_query_len=4)
+    assert plan.variant.heads == 16 and plan.head_chunks == 1 and plan.max_query_len == 4
+    plan = make_plan(shape(), H200_SMS, arch="gfx942", max_query_len=4)
+    assert plan.variant.heads == 8 and plan.head_chunks == 4
+    plan = make_plan(shape(heads=8, kv_heads=8), H200_SMS, arch="sm_90", max_query_len=3)
+    assert plan.variant.heads == 8 and plan.head_chunks == 1  # MHA, 3 tokens: 3 rows
 
 
 def test_large_batches_use_one_partition():

@@ -10,12 +10,15 @@ from cases import make_case
 
 def dense_attention(case):
     """Gather each sequence's K/V into dense arrays and do softmax(QK^T)V with masks, one einsum
-    chain per sequence. Window positions are masked with -inf; the sink is an extra column."""
+    chain per new token. Positions the token may not see (after it, or before its window) are
+    masked with -inf; the sink is an extra column."""
     q = case.query.astype(np.float64)
-    num_seqs, num_heads, _ = q.shape
+    num_tokens, num_heads, _ = q.shape
     num_kv_heads, block_size = case.key_cache.shape[1], case.key_cache.shape[2]
+    loc = (np.arange(len(case.seq_lens) + 1) if case.query_start_loc is None
+           else case.query_start_loc)
     out = np.zeros_like(q)
-    lse = np.full((num_seqs, num_heads), -np.inf)
+    lse = np.full((num_tokens, num_heads), -np.inf)
     for s, n in enumerate(case.seq_lens):
         pages = case.block_tables[s, : -(-n // block_size)]
         k = case.key_cache[pages].astype(np.float64)  # [nb, Hkv, bs, D]
@@ -24,25 +27,30 @@ def dense_attention(case):
         v = v.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, v.shape[-1])[:, :n]
         k = np.repeat(k, num_heads // num_kv_heads, axis=0)
         v = np.repeat(v, num_heads // num_kv_heads, axis=0)
-        with np.errstate(invalid="ignore"):  # masked garbage (NaN) columns are dropped below
-            logits = np.einsum("hd,hnd->hn", q[s], k) * case.scale
-        if case.logits_soft_cap is not None:
-            logits = case.logits_soft_cap * np.tanh(logits / case.logits_soft_cap)
-        if case.alibi_slopes is not None:
-            logits += case.alibi_slopes[:, None].astype(np.float64) * (np.arange(n) - (n - 1))
-        if case.sliding_window is not None:
-            logits[:, : max(0, n - case.sliding_window)] = -np.inf
-            v = v.copy()
-            v[:, : max(0, n - case.sliding_window)] = 0.0
-        sink = (np.full((num_heads, 1), -np.inf) if case.sinks is None
-                else case.sinks[:, None].astype(np.float64))
-        columns = np.concatenate([logits, sink], axis=1)
-        m = columns.max(axis=1, keepdims=True)
-        if not np.isfinite(m).all():
-            continue
-        w = np.exp(columns - m)
-        out[s] = np.einsum("hn,hnd->hd", w[:, :n], v) / w.sum(axis=1, keepdims=True)
-        lse[s] = m[:, 0] + np.log(w.sum(axis=1))
+        q_len = loc[s + 1] - loc[s]
+        for i, token in enumerate(range(loc[s], loc[s + 1])):
+            p = n - q_len + i  # this token's position
+            with np.errstate(invalid="ignore"):  # masked garbage (NaN) columns are dropped below
+                logits = np.einsum("hd,hnd->hn", q[token], k) * case.scale
+            if case.logits_soft_cap is not None:
+                logits = case.logits_soft_cap * np.tanh(logits / case.logits_soft_cap)
+            if case.alibi_slopes is not None:
+                logits += case.alibi_slopes[:, None].astype(np.float64) * (np.arange(n) - p)
+            hidden = np.arange(n) > p
+            if case.sliding_window is not None:
+                hidden |= np.arange(n) <= p - case.sliding_window
+            logits[:, hidden] = -np.inf
+            values = v.copy()
+            values[:, hidden] = 0.0
+            sink = (np.full((num_heads, 1), -np.inf) if case.sinks is None
+                    else case.sinks[:, None].astype(np.float64))
+            columns = np.concatenate([logits, sink], axis=1)
+            m = columns.max(axis=1, keepdims=True)
+            if not np.isfinite(m).all():
+                continue
+            w = np.exp(columns - m)
+            out[token] = np.einsum("hn,hnd->hd", w[:, :n], values) / w.sum(axis=1, keepdims=True)
+            lse[token] = m[:, 0] + np.log(w.sum(axis=1))
     return out, lse
 
 

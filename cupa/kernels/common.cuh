@@ -35,6 +35,12 @@ typedef unsigned long long u64;
 // load and narrowed on store, so these are plain bit containers that both compilers accept.
 struct cupa_f16 { u16 bits; };
 struct cupa_bf16 { u16 bits; };
+// One fp8 e4m3 code (OCP e4m3fn or AMD e4m3fnuz: the two differ only in exponent bias and NaN
+// codes, and the decode kernels read both the same way; see Elem<cupa_fp8>).
+struct cupa_fp8 { u8 bits; };
+// An OCP e4m3fn code for kernels that convert it with the hardware (NVIDIA sm_89+: one cvt per
+// pair, exact values; the tensor-core kernels only).
+struct cupa_fp8_e4m3 { u8 bits; };
 
 // 16 bytes, the widest load a thread issues on both vendors.
 struct alignas(16) cupa_u32x4 { u32 x, y, z, w; };
@@ -193,6 +199,30 @@ template <> struct Elem<cupa_bf16> {
     }
     CUPA_FN static float load(const cupa_bf16* p) { return bf16_bits_to_float(p->bits); }
     CUPA_FN static void store(cupa_bf16* p, float v) { p->bits = float_to_bf16_bits(v); }
+};
+
+// fp8 cache codes, read-only. A code's sign, 4 exponent and 3 mantissa bits moved into the
+// matching fields of a float16 ((c & 0x7f) << 7 | (c & 0x80) << 8) give exactly the code's value
+// times 2^(bias - 15) for every finite code of either format, subnormals included (a zero
+// exponent field is subnormal in both). So decoding is two integer ops and the float16 widen;
+// the host folds 2^(15 - bias) into the per-head scales. NaN codes come out finite: only a
+// NaN-producing quantisation (a NaN input) writes them.
+template <> struct Elem<cupa_fp8> {
+    static constexpr int VEC = 16;
+    CUPA_FN static u32 half_bits(u32 code) { return ((code & 0x7fu) << 7) | ((code & 0x80u) << 8); }
+    CUPA_FN static void widen_word(u32 w, float* f) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[i] = half_bits_to_float((u16)half_bits((w >> (8 * i)) & 0xffu));
+    }
+    CUPA_FN static void widen(const cupa_u32x4& r, float* f) {
+        widen_word(r.x, f); widen_word(r.y, f + 4); widen_word(r.z, f + 8); widen_word(r.w, f + 12);
+    }
+    // Codes of bytes 0 and 1 (hi = false) or 2 and 3 (hi = true) of w as a packed float16 pair.
+    CUPA_FN static u32 half_pair(u32 w, bool hi) {
+        const u32 t = hi ? ((w >> 16) & 0xffu) | ((w >> 8) & 0xff0000u)
+                         : (w & 0xffu) | ((w & 0xff00u) << 8);
+        return ((t & 0x007f007fu) << 7) | ((t & 0x00800080u) << 8);
+    }
 };
 
 template <typename T>

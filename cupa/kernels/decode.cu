@@ -1,10 +1,12 @@
 // Two-phase paged decode attention (portable path: CUDA cores / VALU, float32 accumulation).
 //
-// Phase 1, decode_partition: one workgroup per (query-head chunk of a KV head, partition, sequence).
-// It reads each K/V row of its partition once and applies it to every query head of the chunk
-// (GQA packing), keeping a running max and exp-sum per head (online softmax, log2 domain). With a
-// single partition it writes the final output; otherwise it writes float32 partials that
-// phase 2, decode_reduce, merges.
+// Phase 1, decode_partition: one workgroup per (row chunk of a KV head, partition, sequence). The
+// rows are the (new token, query head) pairs of the KV head (one token per sequence in plain
+// decode; up to MAX_QUERY_LEN with query_start_loc). It reads each K/V row of its partition once
+// and applies it to every row of the chunk (GQA packing), keeping a running max and exp-sum per
+// row (online softmax, log2 domain); each row is masked to its own causal range and window. With
+// a single partition it writes the final output; otherwise it writes float32 partials that
+// phase 2, decode_reduce, merges. The cache is of type T or fp8 codes (C = cupa_fp8).
 //
 // Work inside phase 1 goes tile by tile (TILE = CUPA_THREADS tokens):
 //   1. QK: one thread per token, all heads of the chunk; the K row is read in 16-byte vectors and
@@ -21,11 +23,11 @@
 
 namespace cupa {
 
-// How the PV step spreads a tile over the workgroup, for storage type T, head size D and HT heads
+// How the PV step spreads a tile over the workgroup, for cache type C, head size D and HT rows
 // per workgroup. Kept in one place so the kernel and its shared-memory sizes agree.
-template <typename T, int D, int HT>
+template <typename C, int D, int HT>
 struct PvLayout {
-    static constexpr int VEC = Elem<T>::VEC;            // elements per 16-byte vector
+    static constexpr int VEC = Elem<C>::VEC;            // elements per 16-byte vector
     static constexpr int CHUNKS = D / VEC;              // 16-byte vectors per row
     static constexpr int ROWS = CUPA_THREADS / CHUNKS;  // threads available per column chunk
     // Heads per thread: at least 2 (each V vector feeds two heads' FMAs) and enough that the head
@@ -38,10 +40,10 @@ struct PvLayout {
     static_assert(HT % HPT == 0 && SLOTS <= ROWS && LANES >= 1, "bad PV layout");
 };
 
-template <typename T, int D, int HT>
+template <typename T, typename C, int D, int HT>
 CUPA_FN void decode_partition(
-    CUPA_PARTITION_PARAMS(T)) {
-    typedef PvLayout<T, D, HT> L;
+    CUPA_PARTITION_PARAMS(T, C)) {
+    typedef PvLayout<C, D, HT> L;
     constexpr int TILE = CUPA_THREADS;
     constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
     constexpr int VEC = L::VEC;
@@ -50,29 +52,35 @@ CUPA_FN void decode_partition(
     __shared__ float p_s[HT][TILE];     // the tile's logits, then its probabilities
     __shared__ i64 row_s[TILE];         // element offset of each token's K/V row, -1 if unreadable
     __shared__ float m_s[HT], l_s[HT], corr_s[HT], slope_s[HT];
+    __shared__ int first_s[HT], pos_s[HT];  // each row attends to tokens [first, pos]
     __shared__ float red_s[L::LANES > 1 ? L::LANES - 1 : 1][HT][D];
 
     PartitionWork w;
-    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, sinks, sliding_window, num_heads,
-                                   num_kv_heads, block_size, max_blocks_per_seq, partition_size,
-                                   max_partitions, head_chunks))
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, query_start_loc, sinks, sliding_window,
+                                   num_tokens, num_heads, num_kv_heads, block_size,
+                                   max_blocks_per_seq, partition_size, max_partitions,
+                                   head_chunks))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
     const int tid = threadIdx.x;
-    const int nh = w.nh, seq_len = w.seq_len, start = w.start, end = w.end;
+    const int nh = w.nh, start = w.start, end = w.end;
     const bool single = max_partitions == 1;
 
-    const T* q_seq = query + w.first_head * D;
+    const float q_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     for (int i = tid; i < HT * D; i += CUPA_THREADS) {
         const int h = i / D;
-        q_s[h][i % D] = h < nh ? Elem<T>::load(q_seq + i) * (scale * LOG2E) : 0.0f;
+        q_s[h][i % D] = h < nh ? Elem<T>::load(query + w.row_index(h) * D + i % D) * q_scale
+                               : 0.0f;
     }
     if (tid < HT) {
         m_s[tid] = neg_inf();
         l_s[tid] = 0.0f;
-        slope_s[tid] = (alibi_slopes != nullptr && tid < nh) ? alibi_slopes[w.head0 + tid] * LOG2E
-                                                               : 0.0f;
+        const bool row = tid < nh;
+        slope_s[tid] = alibi_slopes != nullptr && row
+                           ? alibi_slopes[w.row_index(tid) % num_heads] * LOG2E : 0.0f;
+        pos_s[tid] = row ? w.row_pos(tid) : -1;
+        first_s[tid] = row ? window_first(w.row_pos(tid), sliding_window) : 0;
     }
 
     // PV role of this thread
@@ -98,11 +106,11 @@ CUPA_FN void decode_partition(
 #pragma unroll
             for (int h = 0; h < HT; ++h) logit[h] = 0.0f;
             if (row >= 0) {
-                const T* k_row = key_cache + row;
+                const C* k_row = key_cache + row;
 #pragma unroll 4
                 for (int c = 0; c < L::CHUNKS; ++c) {
                     float k[VEC];
-                    Elem<T>::widen(load16(k_row + c * VEC), k);
+                    Elem<C>::widen(load16(k_row + c * VEC), k);
 #pragma unroll
                     for (int h = 0; h < HT; ++h) {
                         if (h < nh) {
@@ -112,11 +120,13 @@ CUPA_FN void decode_partition(
                     }
                 }
             }
-            const float distance = (float)(t - (seq_len - 1));  // <= 0 for ALiBi
 #pragma unroll
-            for (int h = 0; h < HT; ++h)
-                p_s[h][tid] = row >= 0 ? soft_cap_log2(logit[h], soft_cap) + slope_s[h] * distance
-                                       : neg_inf();
+            for (int h = 0; h < HT; ++h) {
+                const bool seen = row >= 0 && t >= first_s[h] && t <= pos_s[h];
+                const float distance = (float)(t - pos_s[h]);  // <= 0 for ALiBi
+                p_s[h][tid] = seen ? soft_cap_log2(logit[h], soft_cap) + slope_s[h] * distance
+                                   : neg_inf();
+            }
         }
         __syncthreads();
 
@@ -161,7 +171,7 @@ CUPA_FN void decode_partition(
                 const i64 row = row_s[j];
                 if (row < 0) continue;
                 float val[VEC];
-                Elem<T>::widen(load16(value_cache + row + pv_chunk * VEC), val);
+                Elem<C>::widen(load16(value_cache + row + pv_chunk * VEC), val);
 #pragma unroll
                 for (int i = 0; i < L::HPT; ++i) {
                     const float p = p_s[pv_slot * L::HPT + i][j];
@@ -194,28 +204,34 @@ CUPA_FN void decode_partition(
     }
 
     if (pv_active && pv_lane == 0) {
+        const float v_scale = v_factor(kv_scales, w.kv_head, num_kv_heads);
 #pragma unroll
         for (int i = 0; i < L::HPT; ++i) {
             const int h = pv_slot * L::HPT + i;
             if (h >= nh) continue;
-            const i64 head = w.first_head + h;
+            const i64 head = w.row_index(h);
+            float factor = v_scale;
             if (single) {
                 float unused_lse;
-                const float inv = finish_head(m_s[h], l_s[h], sink_of(sinks, head, num_heads),
-                                              unused_lse);
-                float o[VEC];
+                factor *= finish_head(m_s[h], l_s[h], sink_of(sinks, head, num_heads), unused_lse);
+            }
+            float o[VEC];
 #pragma unroll
-                for (int v = 0; v < VEC; ++v) o[v] = acc[i][v] * inv;
-                store16(out + head * D + pv_chunk * VEC, Elem<T>::narrow(o));
+            for (int v = 0; v < VEC; ++v) o[v] = acc[i][v] * factor;
+            if (single) {
+                // A 16-byte vector of the cache type may span several of the output type.
+#pragma unroll
+                for (int v = 0; v < VEC; v += Elem<T>::VEC)
+                    store16(out + head * D + pv_chunk * VEC + v, Elem<T>::narrow(&o[v]));
             } else {
                 float* dst = part_acc + (head * max_partitions + w.part) * D + pv_chunk * VEC;
 #pragma unroll
-                for (int v = 0; v < VEC; v += 4) store16(dst + v, Elem<float>::narrow(&acc[i][v]));
+                for (int v = 0; v < VEC; v += 4) store16(dst + v, Elem<float>::narrow(&o[v]));
             }
         }
     }
     if (tid < nh) {
-        const i64 head = w.first_head + tid;
+        const i64 head = w.row_index(tid);
         if (single) {
             if (lse != nullptr)
                 finish_head(m_s[tid], l_s[tid], sink_of(sinks, head, num_heads), lse[head]);
@@ -231,8 +247,8 @@ CUPA_FN void decode_partition(
 // One extern "C" entry point per variant, so both NVRTC's and hipRTC's disk caches key on a plain
 // name. The host appends CUPA_DECODE_VARIANT / CUPA_REDUCE_VARIANT lines for what it needs
 // (CUPA_REDUCE_VARIANT lives in decode_common.cuh).
-#define CUPA_DECODE_VARIANT(NAME, T, D, HT)                                                      \
+#define CUPA_DECODE_VARIANT(NAME, T, C, D, HT)                                                   \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS)                                  \
-        NAME(CUPA_PARTITION_PARAMS(T)) {                                                         \
-        cupa::decode_partition<T, D, HT>(CUPA_PARTITION_ARGS);                                   \
+        NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
+        cupa::decode_partition<T, C, D, HT>(CUPA_PARTITION_ARGS);                                \
     }

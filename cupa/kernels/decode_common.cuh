@@ -13,20 +13,26 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 // The argument list every phase-1 kernel takes, in the order gpu.py passes it. A macro, so the
-// kernels and their extern "C" wrappers cannot drift apart.
-#define CUPA_PARTITION_PARAMS(T)                                                                 \
+// kernels and their extern "C" wrappers cannot drift apart. T is the query/output storage type,
+// C the cache's (T itself, or cupa_fp8 codes whose per-KV-head scales come in kv_scales).
+#define CUPA_PARTITION_PARAMS(T, C)                                                              \
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                 \
         float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query, \
-        const T* __restrict__ key_cache, const T* __restrict__ value_cache,                      \
-        const i32* __restrict__ block_tables, const i32* __restrict__ seq_lens,                  \
+        const C* __restrict__ key_cache, const C* __restrict__ value_cache,                      \
+        const float* __restrict__ kv_scales, const i32* __restrict__ block_tables,               \
+        const i32* __restrict__ seq_lens, const i32* __restrict__ query_start_loc,              \
         const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, float scale,    \
-        float soft_cap, i32 sliding_window, i32 num_heads, i32 num_kv_heads, i32 block_size,     \
-        i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size, i32 max_partitions,          \
-        i32 head_chunks
+        float soft_cap, i32 sliding_window, i32 num_tokens, i32 num_heads, i32 num_kv_heads,     \
+        i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
+        i32 max_partitions, i32 head_chunks
 #define CUPA_PARTITION_ARGS                                                                      \
-    out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, block_tables,         \
-        seq_lens, alibi_slopes, sinks, scale, soft_cap, sliding_window, num_heads, num_kv_heads, \
-        block_size, max_blocks_per_seq, num_blocks, partition_size, max_partitions, head_chunks
+    out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, kv_scales,            \
+        block_tables, seq_lens, query_start_loc, alibi_slopes, sinks, scale, soft_cap,           \
+        sliding_window, num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq,     \
+        num_blocks, partition_size, max_partitions, head_chunks
+
+// Most new tokens per sequence in one call (multi-token decode for speculative decoding).
+constexpr int MAX_QUERY_LEN = 16;
 
 // Logit soft-capping (Gemma 2): c * tanh(x / c) on the natural-log logit; x arrives and leaves
 // in the log2 domain the kernels work in. cap <= 0 means off.
@@ -58,51 +64,94 @@ CUPA_FN float sink_of(const float* sinks, i64 head, int num_heads) {
     return sinks != nullptr ? sinks[head % num_heads] : neg_inf();
 }
 
-// First token a sequence of seq_len tokens attends to.
-CUPA_FN int window_start(int seq_len, int sliding_window) {
-    return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+// First position the query at position `pos` attends to.
+CUPA_FN int window_first(int pos, int sliding_window) {
+    return sliding_window > 0 && pos + 1 > sliding_window ? pos + 1 - sliding_window : 0;
 }
 
-// The slice of work of one phase-1 workgroup: grid x = (KV head, head chunk), y = partition,
-// z = sequence. Lengths are clamped to the table's capacity, so a bad length on the device can
-// never make a kernel read past the block table.
+// The new tokens of sequence `seq`: query rows [tok0, tok0 + q_len). Without query_start_loc
+// every sequence has one. Values from the device are clamped into the query array.
+CUPA_FN void query_span(const i32* query_start_loc, int seq, int num_tokens, int& tok0,
+                        int& q_len) {
+    if (query_start_loc == nullptr) {
+        tok0 = seq;
+        q_len = 1;
+        return;
+    }
+    tok0 = cmin(cmax(query_start_loc[seq], 0), num_tokens);
+    q_len = cmin(cmax(query_start_loc[seq + 1] - tok0, 0), cmin(MAX_QUERY_LEN, num_tokens - tok0));
+}
+
+CUPA_FN int clamp_len(int len, int capacity) { return len < 0 ? 0 : cmin(len, capacity); }
+
+// The partitions a sequence's rows are merged over: [first, end) of size partition_size. Every
+// row of the sequence uses the same set, from its first new token's window start to seq_len.
+CUPA_FN int first_partition(int seq_len, int q_len, int sliding_window, int partition_size) {
+    return window_first(seq_len - q_len, sliding_window) / partition_size;
+}
+
+// The slice of work of one phase-1 workgroup: grid x = (KV head, row chunk), y = partition,
+// z = sequence. A sequence with q_len new tokens has q_len * group query rows per KV head,
+// token-major (row = token * group + head in group); a workgroup takes up to ROWS of them, so
+// each K/V row it reads serves every query head and new token of the chunk. Lengths are clamped
+// to the table's capacity, so a bad length on the device can never read past the block table.
 struct PartitionWork {
-    int seq, kv_head, head0, nh, part;
+    int seq, kv_head, part, num_heads, group;
+    int q_len, tok0;  // new tokens of the sequence: query rows [tok0, tok0 + q_len)
+    int row0, nh;     // this workgroup's rows: row0 .. row0 + nh - 1 of the sequence's rows
     int seq_len, start, end;  // tokens [start, end) of a sequence of seq_len tokens
-    i64 first_head;           // seq * num_heads + head0: row of the first head in q/out/lse
+
+    // Index of local row r in the [num_tokens * num_heads] rows of query, out and lse.
+    CUPA_FN i64 row_index(int r) const {
+        const int x = row0 + r;
+        return (i64)(tok0 + x / group) * num_heads + kv_head * group + x % group;
+    }
+    // Position of local row r's token: it attends to [window_first(pos), pos] (causal).
+    CUPA_FN int row_pos(int r) const { return seq_len - q_len + (row0 + r) / group; }
 };
 
-// Fills `w`; returns false when the partition is empty, after writing the zero output and -inf
-// lse of an empty sequence if this workgroup owns them (single-partition launches only).
-template <typename T, int HT, int D>
+// Fills `w`; returns false when the workgroup has no work, after writing the zero output and
+// -inf lse of an empty sequence if this workgroup owns them (single-partition launches only).
+template <typename T, int ROWS, int D>
 CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* seq_lens,
-                             const float* sinks, i32 sliding_window, i32 num_heads,
-                             i32 num_kv_heads, i32 block_size, i32 max_blocks_per_seq,
-                             i32 partition_size, i32 max_partitions, i32 head_chunks) {
-    const int group = num_heads / num_kv_heads;
+                             const i32* query_start_loc, const float* sinks, i32 sliding_window,
+                             i32 num_tokens, i32 num_heads, i32 num_kv_heads, i32 block_size,
+                             i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
+                             i32 head_chunks) {
+    w.num_heads = num_heads;
+    w.group = num_heads / num_kv_heads;
     const int chunk = blockIdx.x % head_chunks;
     w.kv_head = blockIdx.x / head_chunks;
-    w.head0 = w.kv_head * group + chunk * HT;
-    w.nh = cmin(HT, group - chunk * HT);
     w.part = blockIdx.y;
     w.seq = blockIdx.z;
-    w.first_head = (i64)w.seq * num_heads + w.head0;
-    const int len = seq_lens[w.seq];
-    w.seq_len = len < 0 ? 0 : cmin(len, max_blocks_per_seq * block_size);
+    query_span(query_start_loc, w.seq, num_tokens, w.tok0, w.q_len);
+    w.row0 = chunk * ROWS;
+    w.nh = cmin(ROWS, w.q_len * w.group - w.row0);
+    if (w.nh <= 0) return false;  // a chunk past this sequence's rows
+    w.seq_len = clamp_len(seq_lens[w.seq], max_blocks_per_seq * block_size);
     // Partitions wholly before the sliding window exit here, so work scales with the window.
-    w.start = cmax(w.part * partition_size, window_start(w.seq_len, sliding_window));
+    w.start = cmax(w.part * partition_size, window_first(w.seq_len - w.q_len, sliding_window));
     w.end = cmin(w.part * partition_size + partition_size, w.seq_len);
     if (w.start < w.end) return true;
     if (max_partitions == 1 && w.part == 0) {  // an empty sequence: zeros, lse = sink or -inf
         for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS)
-            Elem<T>::store(out + w.first_head * D + i, 0.0f);
+            Elem<T>::store(out + w.row_index(i / D) * D + i % D, 0.0f);
         const int h = threadIdx.x;
         if (lse != nullptr && h < w.nh) {
-            finish_head(neg_inf(), 0.f, sink_of(sinks, w.first_head + h, num_heads),
-                        lse[w.first_head + h]);
+            const i64 row = w.row_index(h);
+            finish_head(neg_inf(), 0.f, sink_of(sinks, row, num_heads), lse[row]);
         }
     }
     return false;
+}
+
+// Dequantisation factors of a KV head: 1 for a plain cache; for fp8 the host folds the format's
+// power of two (see Elem<cupa_fp8>) into the per-head scales.
+CUPA_FN float k_factor(const float* kv_scales, int kv_head) {
+    return kv_scales != nullptr ? kv_scales[kv_head] : 1.f;
+}
+CUPA_FN float v_factor(const float* kv_scales, int kv_head, int num_kv_heads) {
+    return kv_scales != nullptr ? kv_scales[num_kv_heads + kv_head] : 1.f;
 }
 
 // Where the K/V rows of one (sequence, KV head) live in the paged cache.
@@ -139,14 +188,16 @@ CUPA_FN PagedRows paged_rows(const PartitionWork& w, const i32* block_tables, in
     return r;
 }
 
-// Phase 2: merge the partitions of one (sequence, head). Partitions are visited in chunks of
-// CUPA_THREADS, so there is no compile-time cap on their number.
+// Phase 2: merge the partitions of one query row (grid x = head, y = new token, z = sequence).
+// Partitions are visited in chunks of CUPA_THREADS, so there is no compile-time cap on their
+// number.
 template <typename T>
 CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
                            const float* __restrict__ part_acc, const float* __restrict__ part_max,
                            const float* __restrict__ part_sum, const i32* __restrict__ seq_lens,
-                           const float* __restrict__ sinks, i32 sliding_window, i32 num_heads,
-                           i32 head_size, i32 partition_size, i32 max_partitions,
+                           const i32* __restrict__ query_start_loc,
+                           const float* __restrict__ sinks, i32 sliding_window, i32 num_tokens,
+                           i32 num_heads, i32 head_size, i32 partition_size, i32 max_partitions,
                            i32 capacity) {
     constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
     __shared__ float w_s[CUPA_THREADS];
@@ -154,12 +205,14 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
     __shared__ float global_max_s, total_s;
 
     const int tid = threadIdx.x, warp = tid / CUPA_WARP, lane = tid % CUPA_WARP;
-    const i64 head = blockIdx.x;  // seq * num_heads + h
-    const int seq = (int)(head / num_heads);
-    int seq_len = seq_lens[seq];
-    seq_len = seq_len < 0 ? 0 : cmin(seq_len, capacity);
-    // Partitions [first, first + n) hold this sequence's window; the others were never written.
-    const int first = window_start(seq_len, sliding_window) / partition_size;
+    const int seq = blockIdx.z;
+    int tok0, q_len;
+    query_span(query_start_loc, seq, num_tokens, tok0, q_len);
+    if ((int)blockIdx.y >= q_len) return;
+    const i64 head = (i64)(tok0 + blockIdx.y) * num_heads + blockIdx.x;  // row of q/out/lse
+    const int seq_len = clamp_len(seq_lens[seq], capacity);
+    // Partitions [first, first + n) were written by phase 1; the others were not.
+    const int first = first_partition(seq_len, q_len, sliding_window, partition_size);
     const int n = (seq_len + partition_size - 1) / partition_size - first;
     const float* pm = part_max + head * max_partitions + first;
     const float* ps = part_sum + head * max_partitions + first;
@@ -236,9 +289,10 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
 #define CUPA_REDUCE_VARIANT(NAME, T)                                                             \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS) NAME(                            \
         T* out, float* lse, const float* part_acc, const float* part_max, const float* part_sum, \
-        const i32* seq_lens, const float* sinks, i32 sliding_window, i32 num_heads,              \
-        i32 head_size, i32 partition_size, i32 max_partitions, i32 capacity) {                   \
-        cupa::decode_reduce<T>(out, lse, part_acc, part_max, part_sum, seq_lens, sinks,         \
-                               sliding_window, num_heads, head_size, partition_size,             \
-                               max_partitions, capacity);                                        \
+        const i32* seq_lens, const i32* query_start_loc, const float* sinks, i32 sliding_window, \
+        i32 num_tokens, i32 num_heads, i32 head_size, i32 partition_size, i32 max_partitions,    \
+        i32 capacity) {                                                                          \
+        cupa::decode_reduce<T>(out, lse, part_acc, part_max, part_sum, seq_lens,                \
+                               query_start_loc, sinks, sliding_window, num_tokens, num_heads,   \
+                               head_size, partition_size, max_partitions, capacity);            \
     }

@@ -1,6 +1,8 @@
-// Phase 1 of paged decode on NVIDIA tensor cores (sm_80+, fp16/bf16, head size 64 or 128).
-// Two kernels: mma16 (query heads as the 16 rows; groups of 9-16, and chunks of 16 for larger
-// groups) and mma8 (heads as the 8 columns; groups of 2-8).
+// Phase 1 of paged decode on NVIDIA tensor cores (sm_80+, fp16/bf16 queries, head size 64 or
+// 128, cache of the query type or fp8 codes). Two kernels: mma8 (query rows as the 8 columns;
+// up to 8 rows) and mma16 (query rows as the 16 rows of an m-tile, one tile per warp, up to 64
+// rows per workgroup). A query row is a (new token, query head) pair of the KV head: the heads of
+// the GQA group, times the new tokens in multi-token decode (see begin_partition).
 //
 // With GQA the query heads of one KV head form a small matrix, so QK^T and PV are matrix products
 // whose FMA cost on CUDA cores outgrows the memory time at group sizes of 4-8 and more. Here the
@@ -28,6 +30,74 @@
 #endif
 
 namespace cupa {
+
+// The 16-bit type the tensor cores multiply in: the query's, or float16 for an fp8 cache (its
+// codes widen exactly to float16; a bfloat16 query is rounded to float16, which keeps its 8
+// mantissa bits and loses only magnitudes outside float16's range).
+template <typename T, typename C> struct MmaTypeOf { typedef T type; };
+template <typename T> struct MmaTypeOf<T, cupa_fp8> { typedef cupa_f16 type; };
+template <typename T> struct MmaTypeOf<T, cupa_fp8_e4m3> { typedef cupa_f16 type; };
+
+// 8 consecutive elements of a K/V row: `load8` fetches them as they are stored (Raw, what a
+// lane keeps in flight while the previous step computes), `widen` turns them into four words of
+// packed 16-bit pairs of the mma type when the step uses them. Widening at use, not at load,
+// keeps the loads asynchronous: an fp8 conversion right after the load would wait for it.
+template <typename C> struct KvLoad {
+    typedef cupa_u32x4 Raw;
+    CUPA_FN static Raw load8(const C* p) { return load16(p); }
+    CUPA_FN static cupa_u32x4 widen(const Raw& r) { return r; }
+};
+struct Fp8Raw { u32 lo, hi; };  // 8 codes
+CUPA_FN Fp8Raw load8_codes(const void* p) {
+    const u64 w = *reinterpret_cast<const u64*>(p);
+    const Fp8Raw r = {(u32)w, (u32)(w >> 32)};
+    return r;
+}
+// Either e4m3 format, in software (see Elem<cupa_fp8>): values times 2^(bias - 15).
+template <> struct KvLoad<cupa_fp8> {
+    typedef Fp8Raw Raw;
+    CUPA_FN static Raw load8(const cupa_fp8* p) { return load8_codes(p); }
+    CUPA_FN static cupa_u32x4 widen(const Raw& r) {
+        typedef Elem<cupa_fp8> E;
+        const cupa_u32x4 w = {E::half_pair(r.lo, false), E::half_pair(r.lo, true),
+                              E::half_pair(r.hi, false), E::half_pair(r.hi, true)};
+        return w;
+    }
+};
+// OCP e4m3fn with the hardware conversion where there is one (sm_89+): exact values. Below
+// sm_89 the software widening, so values times 2^-8; variants.fp8_value_power tells the host.
+template <> struct KvLoad<cupa_fp8_e4m3> {
+    typedef Fp8Raw Raw;
+    CUPA_FN static Raw load8(const cupa_fp8_e4m3* p) { return load8_codes(p); }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // Codes of bytes 0-1 (hi = false) or 2-3 of w as a float16 pair, byte 0 in the low half.
+    CUPA_FN static u32 cvt_pair(u32 w, bool hi) {
+        u32 r;
+        const u16 two = (u16)(hi ? w >> 16 : w & 0xffffu);
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(two));
+        return r;
+    }
+    CUPA_FN static cupa_u32x4 widen(const Raw& r) {
+        const cupa_u32x4 w = {cvt_pair(r.lo, false), cvt_pair(r.lo, true),
+                              cvt_pair(r.hi, false), cvt_pair(r.hi, true)};
+        return w;
+    }
+#else
+    CUPA_FN static cupa_u32x4 widen(const Raw& r) { return KvLoad<cupa_fp8>::widen(r); }
+#endif
+};
+
+// 8 consecutive query elements of type T as packed pairs of the mma type M.
+template <typename T, typename M> struct QLoad {
+    CUPA_FN static cupa_u32x4 load8(const T* p) {
+        float f[8];
+        Elem<T>::widen(load16(p), f);
+        return Elem<M>::narrow(f);
+    }
+};
+template <typename T> struct QLoad<T, T> {
+    CUPA_FN static cupa_u32x4 load8(const T* p) { return load16(p); }
+};
 
 template <typename T> struct MmaOp;
 
@@ -69,43 +139,65 @@ CUPA_FN u32 pair_halves(const cupa_u32x4& a, const cupa_u32x4& b, int e) {
     return __byte_perm(word(a, e >> 1), word(b, e >> 1), (e & 1) ? 0x7632 : 0x5410);
 }
 
-// Epilogue shared by the mma kernels: each warp left its unnormalised output rows, running max
-// and sum in shared memory; combine them and write the final output (one partition) or this
-// partition's float32 partials.
-template <typename T, int D, int HT, int NWARPS>
-CUPA_FN void merge_warps_and_store(const float (*o_s)[HT][D], const float (*m_s)[HT],
-                                   const float (*l_s)[HT], T* out, float* lse, float* part_acc,
-                                   float* part_max, float* part_sum, const float* sinks,
-                                   int num_heads, i64 first_head, int nh, int part,
-                                   int max_partitions) {
-    for (int i = threadIdx.x; i < nh * D; i += CUPA_THREADS) {
-        const int h = i / D, d = i % D;
+// Epilogue shared by the mma kernels. Rows come in tiles of TILE_ROWS; the warps of a tile
+// (warps_per_tile consecutive warps) each left its unnormalised output rows, running max and sum
+// in shared memory. Combine them and write the final output (one partition) or this partition's
+// float32 partials; v_scale is the fp8 value scale (1 otherwise).
+template <typename T, int D, int TILE_ROWS, int NWARPS>
+CUPA_FN void merge_warps_and_store(const float (*o_s)[TILE_ROWS][D], const float (*m_s)[TILE_ROWS],
+                                   const float (*l_s)[TILE_ROWS], T* out, float* lse,
+                                   float* part_acc, float* part_max, float* part_sum,
+                                   const float* sinks, const PartitionWork& w,
+                                   int warps_per_tile, float v_scale, int max_partitions) {
+    for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS) {
+        const int r = i / D, d = i % D;
+        const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float m = neg_inf();
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) m = max_f(m, m_s[w][h]);
+        for (int k = 0; k < warps_per_tile; ++k) m = max_f(m, m_s[w0 + k][tr]);
         const float use = m == neg_inf() ? 0.f : m;
         float l = 0.f, o = 0.f;
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
-            const float f = fast_exp2(m_s[w][h] - use);
-            l += f * l_s[w][h];
-            o += f * o_s[w][h][d];
+        for (int k = 0; k < warps_per_tile; ++k) {
+            const float f = fast_exp2(m_s[w0 + k][tr] - use);
+            l += f * l_s[w0 + k][tr];
+            o += f * o_s[w0 + k][tr][d];
         }
-        const i64 head = first_head + h;
+        o *= v_scale;
+        const i64 head = w.row_index(r);
         if (max_partitions == 1) {
             float lse_value;
-            const float factor = finish_head(m, l, sink_of(sinks, head, num_heads), lse_value);
+            const float factor = finish_head(m, l, sink_of(sinks, head, w.num_heads), lse_value);
             Elem<T>::store(out + head * D + d, o * factor);
             if (d == 0 && lse != nullptr) lse[head] = lse_value;
         } else {
-            part_acc[(head * max_partitions + part) * D + d] = o;
+            part_acc[(head * max_partitions + w.part) * D + d] = o;
             if (d == 0) {
-                part_max[head * max_partitions + part] = m;
-                part_sum[head * max_partitions + part] = l;
+                part_max[head * max_partitions + w.part] = m;
+                part_sum[head * max_partitions + w.part] = l;
             }
         }
     }
 }
+
+// The visible range and ALiBi slope of one query row, in the log2 domain: the row attends to
+// tokens [first, pos]. Rows past the chunk (r >= nh) see nothing.
+struct RowMask {
+    int first, pos;
+    float slope;
+    CUPA_FN void init(const PartitionWork& w, int r, const float* alibi_slopes,
+                      int sliding_window) {
+        const bool row = r < w.nh;
+        pos = row ? w.row_pos(r) : -1;
+        first = row ? window_first(pos, sliding_window) : 0;
+        slope = alibi_slopes != nullptr && row
+                    ? alibi_slopes[w.row_index(r) % w.num_heads] * LOG2E : 0.f;
+    }
+    // The final log2-domain logit of token t from its raw q.k, or -inf if the row does not see it.
+    CUPA_FN float logit(float raw, int t, bool readable, float qk_scale, float soft_cap) const {
+        return readable && t >= first && t <= pos
+                   ? soft_cap_log2(raw * qk_scale, soft_cap) + slope * (float)(t - pos)
+                   : neg_inf();
+    }
+};
 
 // One 16-token step of a warp. A lane touches tokens g and g + 8 (K rows) and 2c, 2c + 1, 2c + 8,
 // 2c + 9 (V rows). The step is loaded in two stages, each one step ahead of its use:
@@ -128,33 +220,43 @@ CUPA_FN StepBlocks step_blocks(const PagedRows& rows, int base, int g, int c) {
     return s;
 }
 
-template <typename T, int D>
+template <typename C, int D>
 struct KvStep {
     static constexpr int QK_BLOCKS = D / 32;  // 16-byte K vectors per row a lane reads
-    static constexpr int V_VECS = D / 64;     // 16-byte V vectors per row a lane reads
-    cupa_u32x4 k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
+    static constexpr int V_VECS = D / 64;     // 8-element V vectors per row a lane reads
+    typedef typename KvLoad<C>::Raw Raw;
+    Raw k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
     bool k_valid[2], v_valid[4];
 
+    // The V vectors as mma-type pairs (see KvLoad).
+    CUPA_FN void widen_v(cupa_u32x4 (*out)[V_VECS]) const {
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int b = 0; b < V_VECS; ++b) out[t][b] = KvLoad<C>::widen(v[t][b]);
+    }
+
     // V vector b of a lane starts at column v_col0 + b * v_stride (the kernels' V layouts differ).
-    CUPA_FN void load(const T* key_cache, const T* value_cache, const PagedRows& rows,
+    CUPA_FN void load(const C* key_cache, const C* value_cache, const PagedRows& rows,
                       const StepBlocks& blocks, int base, int g, int c, int v_col0,
                       int v_stride) {
         const int offsets[6] = {g, g + 8, 2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
         i64 row[6];
 #pragma unroll
         for (int i = 0; i < 6; ++i) row[i] = rows.row_in_block(blocks.id[i], base + offsets[i]);
-        const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
+        const Raw zero = Raw();  // all-zero bits: zeros in every storage type
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
-            k0[b] = row[0] >= 0 ? load16(key_cache + row[0] + 32 * b + 8 * c) : zero;
-            k1[b] = row[1] >= 0 ? load16(key_cache + row[1] + 32 * b + 8 * c) : zero;
+            k0[b] = row[0] >= 0 ? KvLoad<C>::load8(key_cache + row[0] + 32 * b + 8 * c) : zero;
+            k1[b] = row[1] >= 0 ? KvLoad<C>::load8(key_cache + row[1] + 32 * b + 8 * c) : zero;
         }
 #pragma unroll
         for (int t = 0; t < 4; ++t)
 #pragma unroll
             for (int b = 0; b < V_VECS; ++b)
                 v[t][b] = row[2 + t] >= 0
-                              ? load16(value_cache + row[2 + t] + v_col0 + b * v_stride) : zero;
+                              ? KvLoad<C>::load8(value_cache + row[2 + t] + v_col0 + b * v_stride)
+                              : zero;
         k_valid[0] = row[0] >= 0;
         k_valid[1] = row[1] >= 0;
 #pragma unroll
@@ -162,91 +264,101 @@ struct KvStep {
     }
 };
 
-template <typename T>
-CUPA_FN cupa_u32x4 load_or_zero(const T* base, i64 row, int offset) {
+// Query elements [offset, offset + 8) of local row r as mma-type pairs; zero past the chunk.
+template <typename T, typename M, int D>
+CUPA_FN cupa_u32x4 query_or_zero(const T* query, const PartitionWork& w, int r, int offset) {
     const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
-    return row >= 0 ? load16(base + row + offset) : zero;
+    return r < w.nh ? QLoad<T, M>::load8(query + w.row_index(r) * D + offset) : zero;
 }
 
-// ---- Group of 9-16 query heads: heads are the M=16 rows (S = Q K^T, O = P V). ----------------
-template <typename T, int D>
+// ---- 9-64 query rows: rows are the M=16 rows of a warp's m-tile (S = Q K^T, O = P V). ------
+// The workgroup's rows form up to NWARPS tiles of 16; the warps split evenly over the tiles (one
+// tile: all four warps; two: two each; three or four: one each), and the warps of a tile stride
+// over the partition's 16-token steps. Every warp reads the K/V rows of its own steps, so with
+// several tiles a K/V row is fetched from DRAM once and served to the other tiles' warps by the
+// caches.
+template <typename T, typename C, int D>
 CUPA_FN void decode_partition_mma16(
-    CUPA_PARTITION_PARAMS(T)) {
-    constexpr int HT = 16;                  // heads per workgroup = mma M
+    CUPA_PARTITION_PARAMS(T, C)) {
+    typedef typename MmaTypeOf<T, C>::type M;
+    constexpr int TILE_ROWS = 16;           // rows per warp tile = mma M
     constexpr int NWARPS = CUPA_THREADS / 32;
+    constexpr int ROWS = TILE_ROWS * NWARPS;
     constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
     constexpr int QK_BLOCKS = D / 32;       // 32-column blocks of the head dim (2 k16 steps each)
     constexpr int NT = D / 8;               // n-tiles of the output
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
 
-    __shared__ float o_s[NWARPS][HT][D];
-    __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
+    __shared__ float o_s[NWARPS][TILE_ROWS][D];
+    __shared__ float m_s[NWARPS][TILE_ROWS], l_s[NWARPS][TILE_ROWS];
 
     PartitionWork w;
-    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, sinks, sliding_window, num_heads,
-                                   num_kv_heads, block_size, max_blocks_per_seq, partition_size,
-                                   max_partitions, head_chunks))
+    if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
+                                     sliding_window, num_tokens, num_heads, num_kv_heads,
+                                     block_size, max_blocks_per_seq, partition_size,
+                                     max_partitions, head_chunks))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
-    const int nh = w.nh;
+    const int tiles = (w.nh + TILE_ROWS - 1) / TILE_ROWS;
+    const int warps_per_tile = NWARPS / tiles;
+    const int tile = warp / warps_per_tile, slot = warp % warps_per_tile;
+    const int r_lo = tile * TILE_ROWS + g, r_hi = r_lo + 8;  // this lane's local rows
 
-    // Q as A fragments, permuted like K (see the header). Rows past the group are zero.
+    // Q as A fragments, permuted like K (see the header). Rows past the chunk are zero.
     u32 qf[QK_BLOCKS][2][4];
-    {
-        const T* q = query + w.first_head * D;
 #pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            const cupa_u32x4 qa = load_or_zero(q, g < nh ? (i64)g * D : -1, 32 * b + 8 * c);
-            const cupa_u32x4 qb = load_or_zero(q, g + 8 < nh ? (i64)(g + 8) * D : -1, 32 * b + 8 * c);
-            qf[b][0][0] = qa.x; qf[b][0][1] = qb.x; qf[b][0][2] = qa.y; qf[b][0][3] = qb.y;
-            qf[b][1][0] = qa.z; qf[b][1][1] = qb.z; qf[b][1][2] = qa.w; qf[b][1][3] = qb.w;
-        }
+    for (int b = 0; b < QK_BLOCKS; ++b) {
+        const cupa_u32x4 qa = query_or_zero<T, M, D>(query, w, r_lo, 32 * b + 8 * c);
+        const cupa_u32x4 qb = query_or_zero<T, M, D>(query, w, r_hi, 32 * b + 8 * c);
+        qf[b][0][0] = qa.x; qf[b][0][1] = qb.x; qf[b][0][2] = qa.y; qf[b][0][3] = qb.y;
+        qf[b][1][0] = qa.z; qf[b][1][1] = qb.z; qf[b][1][2] = qa.w; qf[b][1][3] = qb.w;
     }
-    const float qk_scale = scale * LOG2E;
-    const bool alibi = alibi_slopes != nullptr;
-    const float slope_lo = alibi && g < nh ? alibi_slopes[w.head0 + g] * LOG2E : 0.f;
-    const float slope_hi = alibi && g + 8 < nh ? alibi_slopes[w.head0 + g + 8] * LOG2E : 0.f;
+    const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
+    RowMask mask_lo, mask_hi;
+    mask_lo.init(w, r_lo, alibi_slopes, sliding_window);
+    mask_hi.init(w, r_hi, alibi_slopes, sliding_window);
 
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    float m_lo = neg_inf(), m_hi = neg_inf();  // running max of rows g and g + 8 (log2 domain)
+    float m_lo = neg_inf(), m_hi = neg_inf();  // running max of rows r_lo and r_hi (log2 domain)
     float l_lo = 0.f, l_hi = 0.f;              // this lane's share of the running sums
 
-    constexpr int STRIDE = NWARPS * STEP;
-    int base = w.start + warp * STEP;
-    KvStep<T, D> cur;
+    const int stride = warps_per_tile * STEP;
+    // A warp without a tile (three tiles on four warps) has no steps.
+    int base = tile < tiles ? w.start + slot * STEP : w.end;
+    KvStep<C, D> cur;
     cur.load(key_cache, value_cache, rows, step_blocks(rows, base, g, c), base, g, c, 8 * g, 64);
-    StepBlocks blocks_next = step_blocks(rows, base + STRIDE, g, c);
-    for (; base < w.end; base += STRIDE) {
-        const StepBlocks blocks_after = step_blocks(rows, base + 2 * STRIDE, g, c);
-        KvStep<T, D> next;
-        if (base + STRIDE < w.end)
-            next.load(key_cache, value_cache, rows, blocks_next, base + STRIDE, g, c, 8 * g, 64);
+    StepBlocks blocks_next = step_blocks(rows, base + stride, g, c);
+    for (; base < w.end; base += stride) {
+        const StepBlocks blocks_after = step_blocks(rows, base + 2 * stride, g, c);
+        KvStep<C, D> next;
+        if (base + stride < w.end)
+            next.load(key_cache, value_cache, rows, blocks_next, base + stride, g, c, 8 * g, 64);
 
         // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1).
         float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
-            MmaOp<T>::run(s0, qf[b][0], cur.k0[b].x, cur.k0[b].y);
-            MmaOp<T>::run(s0, qf[b][1], cur.k0[b].z, cur.k0[b].w);
-            MmaOp<T>::run(s1, qf[b][0], cur.k1[b].x, cur.k1[b].y);
-            MmaOp<T>::run(s1, qf[b][1], cur.k1[b].z, cur.k1[b].w);
+            const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]), k1 = KvLoad<C>::widen(cur.k1[b]);
+            MmaOp<M>::run(s0, qf[b][0], k0.x, k0.y);
+            MmaOp<M>::run(s0, qf[b][1], k0.z, k0.w);
+            MmaOp<M>::run(s1, qf[b][0], k1.x, k1.y);
+            MmaOp<M>::run(s1, qf[b][1], k1.z, k1.w);
         }
-        // Scale, ALiBi, mask. Element i: row g (i & 2 == 0) or g + 8, V token (i & 1) | (i & 4) >> 1.
+        // Scale, soft-cap, ALiBi, masks. Element i: row r_lo (i & 2 == 0) or r_hi, V token
+        // (i & 1) | (i & 4) >> 1.
         float s[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int tok = (i & 1) | ((i & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
             const int t = base + 2 * c + (i & 1) + (i & 4 ? 8 : 0);
             const float raw = i < 4 ? s0[i] : s1[i - 4];
-            const float slope = (i & 2) ? slope_hi : slope_lo;
-            s[i] = cur.v_valid[tok] ? soft_cap_log2(raw * qk_scale, soft_cap) +
-                                          slope * (float)(t - (w.seq_len - 1))
-                                    : neg_inf();
+            s[i] = ((i & 2) ? mask_hi : mask_lo).logit(raw, t, cur.v_valid[tok], qk_scale,
+                                                         soft_cap);
         }
         // Online softmax per row; the four lanes of a quad share a row.
         float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
@@ -267,19 +379,21 @@ CUPA_FN void decode_partition_mma16(
         for (int i = 0; i < 8; ++i) p[i] = fast_exp2(s[i] - ((i & 2) ? use_hi : use_lo));
         l_lo = l_lo * corr_lo + p[0] + p[1] + p[4] + p[5];
         l_hi = l_hi * corr_hi + p[2] + p[3] + p[6] + p[7];
-        // P as the A fragment: rows g / g+8, tokens 2c.. (k 0-7) and 8 + 2c.. (k 8-15).
+        // P as the A fragment: rows r_lo / r_hi, tokens 2c.. (k 0-7) and 8 + 2c.. (k 8-15).
         u32 pf[4];
-        pf[0] = MmaOp<T>::pack(p[0], p[1]);
-        pf[1] = MmaOp<T>::pack(p[2], p[3]);
-        pf[2] = MmaOp<T>::pack(p[4], p[5]);
-        pf[3] = MmaOp<T>::pack(p[6], p[7]);
+        pf[0] = MmaOp<M>::pack(p[0], p[1]);
+        pf[1] = MmaOp<M>::pack(p[2], p[3]);
+        pf[2] = MmaOp<M>::pack(p[4], p[5]);
+        pf[3] = MmaOp<M>::pack(p[6], p[7]);
+        cupa_u32x4 v[4][KvStep<C, D>::V_VECS];
+        cur.widen_v(v);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
             acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
             const int b = j >> 3, e = j & 7;
-            MmaOp<T>::run(acc[j], pf, pair_halves(cur.v[0][b], cur.v[1][b], e),
-                          pair_halves(cur.v[2][b], cur.v[3][b], e));
+            MmaOp<M>::run(acc[j], pf, pair_halves(v[0][b], v[1][b], e),
+                          pair_halves(v[2][b], v[3][b], e));
         }
         cur = next;
         blocks_next = blocks_after;
@@ -303,13 +417,13 @@ CUPA_FN void decode_partition_mma16(
         o_s[warp][g + 8][d + 8] = acc[j][3];
     }
     __syncthreads();
-    merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
-                                            sinks, num_heads, w.first_head, nh, w.part,
-                                            max_partitions);
+    merge_warps_and_store<T, D, TILE_ROWS, NWARPS>(
+        o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum, sinks, w, warps_per_tile,
+        v_factor(kv_scales, w.kv_head, num_kv_heads), max_partitions);
 }
 
-// ---- Group of 2-8 query heads: heads are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------
-// Half the registers and mma work of the 16-row form when the group fits in 8. K and V rows are
+// ---- Up to 8 query rows: rows are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------------
+// Half the registers and mma work of the 16-row form when the rows fit in 8. K and V rows are
 // the A operands, loaded 16 bytes at a time with the same index permutations as above (for V the
 // permuted index is the head dim: m-tile i, row r <-> column (D/8)*(r%8) + (D/16)*(r/8) + i, so a
 // lane's rows of every m-tile are D/8 contiguous columns). P^T reaches the B layout of the PV
@@ -321,10 +435,11 @@ CUPA_FN u32 transpose8x8(u32 x) {
     return y;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 CUPA_FN void decode_partition_mma8(
-    CUPA_PARTITION_PARAMS(T)) {
-    constexpr int HT = 8;                   // heads per workgroup = mma N
+    CUPA_PARTITION_PARAMS(T, C)) {
+    typedef typename MmaTypeOf<T, C>::type M;
+    constexpr int HT = 8;                   // rows per workgroup = mma N
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int STEP = 16;
     constexpr int QK_BLOCKS = D / 32;
@@ -335,44 +450,40 @@ CUPA_FN void decode_partition_mma8(
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
 
     PartitionWork w;
-    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, sinks, sliding_window, num_heads,
-                                   num_kv_heads, block_size, max_blocks_per_seq, partition_size,
-                                   max_partitions, head_chunks))
+    if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, query_start_loc, sinks, sliding_window,
+                                   num_tokens, num_heads, num_kv_heads, block_size,
+                                   max_blocks_per_seq, partition_size, max_partitions,
+                                   head_chunks))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
-    const int nh = w.nh;
 
-    // Q^T as B fragments: lane (g, c) holds head g, columns 32b + 8c .. +8.
+    // Q^T as B fragments: lane (g, c) holds row g, columns 32b + 8c .. +8.
     cupa_u32x4 qv[QK_BLOCKS];
-    {
-        const T* q = query + w.first_head * D;
 #pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b)
-            qv[b] = load_or_zero(q, g < nh ? (i64)g * D : -1, 32 * b + 8 * c);
-    }
-    const float qk_scale = scale * LOG2E;
-    const bool alibi = alibi_slopes != nullptr;
-    const float slope_e = alibi && 2 * c < nh ? alibi_slopes[w.head0 + 2 * c] * LOG2E : 0.f;
-    const float slope_o = alibi && 2 * c + 1 < nh ? alibi_slopes[w.head0 + 2 * c + 1] * LOG2E : 0.f;
+    for (int b = 0; b < QK_BLOCKS; ++b) qv[b] = query_or_zero<T, M, D>(query, w, g, 32 * b + 8 * c);
+    const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
+    RowMask mask_e, mask_o;  // rows 2c and 2c + 1, this lane's columns
+    mask_e.init(w, 2 * c, alibi_slopes, sliding_window);
+    mask_o.init(w, 2 * c + 1, alibi_slopes, sliding_window);
 
     float acc[MT][4];  // O^T: rows d(i, g) / d(i, g+8), columns heads 2c, 2c + 1
 #pragma unroll
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    float m_e = neg_inf(), m_o = neg_inf();  // running max of heads 2c and 2c + 1
+    float m_e = neg_inf(), m_o = neg_inf();  // running max of rows 2c and 2c + 1
     float l_e = 0.f, l_o = 0.f;              // this lane's share of their sums
 
     constexpr int STRIDE = NWARPS * STEP;
     const int v_col0 = (D / 8) * g;  // a lane's V columns: D/8 contiguous ones
     int base = w.start + warp * STEP;
-    KvStep<T, D> cur;
+    KvStep<C, D> cur;
     cur.load(key_cache, value_cache, rows, step_blocks(rows, base, g, c), base, g, c, v_col0, 8);
     StepBlocks blocks_next = step_blocks(rows, base + STRIDE, g, c);
     for (; base < w.end; base += STRIDE) {
         const StepBlocks blocks_after = step_blocks(rows, base + 2 * STRIDE, g, c);
-        KvStep<T, D> next;
+        KvStep<C, D> next;
         if (base + STRIDE < w.end)
             next.load(key_cache, value_cache, rows, blocks_next, base + STRIDE, g, c, v_col0, 8);
 
@@ -380,20 +491,18 @@ CUPA_FN void decode_partition_mma8(
         float st[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
-            const u32 a1[4] = {cur.k0[b].x, cur.k1[b].x, cur.k0[b].y, cur.k1[b].y};
-            const u32 a2[4] = {cur.k0[b].z, cur.k1[b].z, cur.k0[b].w, cur.k1[b].w};
-            MmaOp<T>::run(st, a1, qv[b].x, qv[b].y);
-            MmaOp<T>::run(st, a2, qv[b].z, qv[b].w);
+            const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]), k1 = KvLoad<C>::widen(cur.k1[b]);
+            const u32 a1[4] = {k0.x, k1.x, k0.y, k1.y};
+            const u32 a2[4] = {k0.z, k1.z, k0.w, k1.w};
+            MmaOp<M>::run(st, a1, qv[b].x, qv[b].y);
+            MmaOp<M>::run(st, a2, qv[b].z, qv[b].w);
         }
-        const float d0 = (float)(base + g - (w.seq_len - 1));
-        const float d1 = d0 + 8.f;
-        float s[4];
-        const float slope[4] = {slope_e * d0, slope_o * d0, slope_e * d1, slope_o * d1};
+        float s[4];  // rows 2c (even i) and 2c + 1 (odd i); tokens base + g and base + g + 8
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            s[i] = cur.k_valid[i >> 1] ? soft_cap_log2(st[i] * qk_scale, soft_cap) + slope[i]
-                                       : neg_inf();
-        // Online softmax per head (column): the 8 lanes with the same c share a head pair.
+            s[i] = ((i & 1) ? mask_o : mask_e).logit(st[i], base + g + 8 * (i >> 1),
+                                                     cur.k_valid[i >> 1], qk_scale, soft_cap);
+        // Online softmax per row (column): the 8 lanes with the same c share a row pair.
         float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
 #pragma unroll
         for (int mask = 4; mask < 32; mask <<= 1) {
@@ -410,20 +519,22 @@ CUPA_FN void decode_partition_mma8(
         const float p2 = fast_exp2(s[2] - use_e), p3 = fast_exp2(s[3] - use_o);
         l_e = l_e * corr_e + p0 + p2;
         l_o = l_o * corr_o + p1 + p3;
-        // P^T tiles (tokens x heads) -> B fragments: head g, tokens 2c, 2c+1 (+8).
-        const u32 pb0 = transpose8x8(MmaOp<T>::pack(p0, p1));
-        const u32 pb1 = transpose8x8(MmaOp<T>::pack(p2, p3));
+        // P^T tiles (tokens x rows) -> B fragments: row g, tokens 2c, 2c+1 (+8).
+        const u32 pb0 = transpose8x8(MmaOp<M>::pack(p0, p1));
+        const u32 pb1 = transpose8x8(MmaOp<M>::pack(p2, p3));
+        cupa_u32x4 v[4][KvStep<C, D>::V_VECS];
+        cur.widen_v(v);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
             acc[i][0] *= corr_e; acc[i][1] *= corr_o;
             acc[i][2] *= corr_e; acc[i][3] *= corr_o;
             // Column i (row g) and D/16 + i (row g + 8) of this lane's D/8 columns.
             const int lo = i, hi = MT + i;
-            const u32 a[4] = {pair_halves(cur.v[0][lo >> 3], cur.v[1][lo >> 3], lo & 7),
-                              pair_halves(cur.v[0][hi >> 3], cur.v[1][hi >> 3], hi & 7),
-                              pair_halves(cur.v[2][lo >> 3], cur.v[3][lo >> 3], lo & 7),
-                              pair_halves(cur.v[2][hi >> 3], cur.v[3][hi >> 3], hi & 7)};
-            MmaOp<T>::run(acc[i], a, pb0, pb1);
+            const u32 a[4] = {pair_halves(v[0][lo >> 3], v[1][lo >> 3], lo & 7),
+                              pair_halves(v[0][hi >> 3], v[1][hi >> 3], hi & 7),
+                              pair_halves(v[2][lo >> 3], v[3][lo >> 3], lo & 7),
+                              pair_halves(v[2][hi >> 3], v[3][hi >> 3], hi & 7)};
+            MmaOp<M>::run(acc[i], a, pb0, pb1);
         }
         cur = next;
         blocks_next = blocks_after;
@@ -448,14 +559,15 @@ CUPA_FN void decode_partition_mma8(
     }
     __syncthreads();
     merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
-                                            sinks, num_heads, w.first_head, nh, w.part,
+                                            sinks, w, NWARPS,
+                                            v_factor(kv_scales, w.kv_head, num_kv_heads),
                                             max_partitions);
 }
 
 }  // namespace cupa
 
-#define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, D)                                              \
+#define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, C, D)                                           \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS)             \
-        NAME(CUPA_PARTITION_PARAMS(T)) {                                                         \
-        cupa::KERNEL<T, D>(CUPA_PARTITION_ARGS);                                                 \
+        NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
+        cupa::KERNEL<T, C, D>(CUPA_PARTITION_ARGS);                                              \
     }

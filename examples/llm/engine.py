@@ -8,7 +8,8 @@ sequence (prefill first, so the batch refills as soon as blocks free up):
      +------ preempted (blocks freed, recomputed later) ----+   when a decode step runs out of blocks
 
 Preemption recomputes: a preempted sequence keeps its generated ids and is prefilled again over
-prompt + output when readmitted, which reproduces the same cache contents.
+prompt + output when readmitted, which reproduces the same cache contents (with an fp8 cache only
+nearly: the recompute attends over unquantised K/V where the decode steps read fp8 codes).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Engine:
 
     attention: 'paged' decodes with cupa.decode over the block tables; 'naive' gathers each
     sequence's KV into dense arrays and does matmul / softmax / matmul (the benchmark baseline).
+    An fp8 cache (cache.kv_format set) stores codes and scales; both paths read it through them.
     on_token(seq, token_id) is called for every generated token (streaming).
     on_logits(seqs, logits) sees the float32 logits of every step before sampling (tests).
     """
@@ -182,6 +184,8 @@ class Engine:
         kv_dtype = model.dtype
 
         def attend(layer, q, k, v):
+            # cache.write quantises when the cache is fp8; the prompt's own attention below uses
+            # the unquantised K/V (as fp8 engines do), only later decode steps read the codes.
             self.cache.write(layer, slots, k.astype(kv_dtype), v.astype(kv_dtype))
             out = xp.empty(q.shape, dtype=np.float32)
             for a, b in zip(bounds[:-1], bounds[1:]):
@@ -209,16 +213,23 @@ class Engine:
         # (cache.decode(layer, ...) would rebuild them per layer).
         block_tables, seq_lens = self.cache.tables(ids)
         max_len = max(s.num_tokens for s in seqs)  # = seq_len after extend; no device read
-        kv_dtype = model.dtype
+        kv_dtype = query_dtype = model.dtype
+        fp8 = {}
+        if self.cache.kv_format:  # uint8 codes: cupa.decode needs the format and scales
+            fp8 = dict(kv_format=self.cache.kv_format, k_scale=self.cache.k_scale,
+                       v_scale=self.cache.v_scale)
+            if query_dtype == np.float32:  # fp8 decode takes float16 / bfloat16 queries only
+                query_dtype = np.dtype(np.float16)
 
         def attend(layer, q, k, v):
             self.cache.write(layer, slots, k.astype(kv_dtype), v.astype(kv_dtype))
             key_cache, value_cache = self.cache.key_cache(layer), self.cache.value_cache(layer)
             if self.attention == "naive":
                 return naive_decode_attention(xp, q, key_cache, value_cache, block_tables,
-                                              seq_lens, max_len, model.scale)
-            out = cupa.decode(q.astype(kv_dtype), key_cache, value_cache, block_tables, seq_lens,
-                              scale=model.scale, max_seq_len=max_len, backend=self.backend)
+                                              seq_lens, max_len, model.scale, **fp8)
+            out = cupa.decode(q.astype(query_dtype), key_cache, value_cache, block_tables,
+                              seq_lens, scale=model.scale, max_seq_len=max_len,
+                              backend=self.backend, **fp8)
             return out.astype(np.float32)
 
         logits = model.forward(tokens, positions, attend)
@@ -257,20 +268,25 @@ class Engine:
             self.on_token(seq, None)
 
 
-def naive_decode_attention(xp, q, key_cache, value_cache, block_tables, seq_lens, max_len, scale):
+def naive_decode_attention(xp, q, key_cache, value_cache, block_tables, seq_lens, max_len, scale,
+                           kv_format=None, k_scale=None, v_scale=None):
     """Decode attention without a paged kernel: gather every sequence's blocks into dense
-    [seqs, kv_heads, max_len, d] arrays, then matmul, masked softmax, matmul (float32)."""
+    [seqs, kv_heads, max_len, d] arrays, then matmul, masked softmax, matmul (float32).
+    With an fp8 kv_format the caches hold codes, dequantised with k_scale / v_scale
+    (float32 [kv_heads]) after the gather."""
     num_seqs, heads, dim = q.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
     # Unused table entries are -1; clamp them to a real block (its rows are masked out below).
     blocks = xp.maximum(block_tables[:, :math.ceil(max_len / block_size)], 0)
 
-    def gather(cache):  # [seqs, nb, KV, bs, d] -> [seqs, KV, nb * bs, d]
-        dense = cache[blocks].transpose(0, 2, 1, 3, 4)
-        return dense.reshape(num_seqs, kv_heads, -1, dim).astype(np.float32)
+    def gather(cache, kv_scale):  # [seqs, nb, KV, bs, d] -> [seqs, KV, nb * bs, d]
+        dense = cache[blocks].transpose(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, dim)
+        if kv_format:
+            return cupa.dequantize_fp8(dense, kv_format, kv_scale[:, None, None])
+        return dense.astype(np.float32)
 
-    keys, values = gather(key_cache), gather(value_cache)
+    keys, values = gather(key_cache, k_scale), gather(value_cache, v_scale)
     qg = q.astype(np.float32).reshape(num_seqs, kv_heads, group, dim)
     scores = (qg @ keys.transpose(0, 1, 3, 2)) * np.float32(scale)    # [seqs, KV, group, L]
     valid = xp.arange(keys.shape[2])[None, :] < seq_lens[:, None]

@@ -9,9 +9,10 @@ import numpy as np
 
 from cupa import PagedKVCache
 from cupa.api import resolve_backend
+from cupa.fp8 import FP8_FORMATS, default_kv_format
 
 from .config import load_config
-from .model import Model
+from .model import Model, causal_attention
 from .weights import load_weights
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -65,25 +66,74 @@ def load_model(model_dir, *, backend=None, dtype="auto", progress=True) -> tuple
     return Model(config, weights, xp, dt), backend
 
 
-def block_bytes(model: Model, block_size: int) -> int:
-    """Bytes of one block across all layers, keys and values."""
+def block_bytes(model: Model, block_size: int, kv_format=None) -> int:
+    """Bytes of one block across all layers, keys and values (fp8: one byte per element)."""
     cfg = model.config
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * model.dtype.itemsize
+    itemsize = 1 if kv_format else model.dtype.itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
 
 
 def default_num_blocks(model: Model, block_size: int, token_counts, backend: str,
-                       memory_fraction: float = 0.8) -> int:
+                       memory_fraction: float = 0.8, kv_format=None) -> int:
     """Enough blocks for every request at full length at once, capped on the GPU by a fraction
     of free device memory (the engine then waits or preempts instead)."""
     need = sum(math.ceil(n / block_size) for n in token_counts) or 1
     if backend == "gpu":
         import cupy
         free, _ = cupy.cuda.Device().mem_info
-        need = min(need, max(1, int(free * memory_fraction) // block_bytes(model, block_size)))
+        per_block = block_bytes(model, block_size, kv_format)
+        need = min(need, max(1, int(free * memory_fraction) // per_block))
     return need
 
 
-def make_cache(model: Model, num_blocks: int, block_size: int, backend: str):
+def resolve_kv_format(name: str, backend: str):
+    """A --kv-format value as a cupa kv_format: 'none' -> None, 'auto' -> the fp8 format with
+    hardware conversions on this GPU (cupa.fp8.default_kv_format), None on the CPU or elsewhere."""
+    if name == "auto":
+        if backend != "gpu":
+            return None
+        from cupa.device import device_info
+        return default_kv_format(device_info().target.arch)
+    return None if name == "none" else name
+
+
+# Headroom of the calibrated fp8 scale: the largest prompt value maps to half the largest code,
+# so decode tokens up to twice as large do not saturate. e4m3 keeps the same relative precision
+# (3 mantissa bits) from max_finite down to its smallest normal, about max_finite / 3e4, so the
+# headroom costs precision only for values over 10^4 times smaller than the largest.
+KV_SCALE_HEADROOM = 2.0
+
+
+def calibrate_kv_scales(model: Model, prompts, kv_format: str):
+    """fp8 (k_scale, v_scale), each float32 [num_kv_heads], from a dense forward over `prompts`:
+    scale = KV_SCALE_HEADROOM * max|x| / max_finite per KV head, the max taken over every token
+    of every prompt and over all layers (a PagedKVCache has one scale per KV head, shared by its
+    layers). Costs one extra prefill of the prompts."""
+    xp, cfg = model.xp, model.config
+    amax = [np.zeros(cfg.num_kv_heads, np.float32), np.zeros(cfg.num_kv_heads, np.float32)]
+
+    def attend(layer, q, k, v):
+        for i, x in enumerate((k, v)):
+            head_max = xp.abs(x).max(axis=(0, 2))  # float32 [kv_heads]
+            amax[i] = np.maximum(amax[i], head_max.get() if xp is not np else head_max)
+        return causal_attention(xp, q, k, v, model.scale)
+
+    for prompt in prompts:
+        n = len(prompt)
+        model.forward(xp.asarray(np.asarray(prompt, np.int64)), xp.arange(n), attend,
+                      last_rows=xp.asarray([n - 1]))
+    scales = [KV_SCALE_HEADROOM * m / np.float32(FP8_FORMATS[kv_format].max_finite)
+              for m in amax]
+    # All-zero (or non-finite) heads get scale 1; a scale must be a positive normal float32.
+    return tuple(np.where(np.isfinite(s) & (s >= np.finfo(np.float32).tiny), s, 1)
+                 .astype(np.float32) for s in scales)
+
+
+def make_cache(model: Model, num_blocks: int, block_size: int, backend: str, *, kv_format=None,
+               k_scale=None, v_scale=None):
+    """The paged KV cache for `model`: rows of the model dtype, stored as that dtype or, with an
+    fp8 kv_format, as fp8 codes with per-KV-head scales (quantised by cache.write)."""
     cfg = model.config
-    return PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                             cfg.head_dim, dtype=model.dtype.name, backend=backend)
+    return PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=model.dtype.name, backend=backend, kv_format=kv_format,
+                        k_scale=k_scale, v_scale=v_scale)

@@ -1,0 +1,127 @@
+"""`python -m cupa bench --features`: what the optional features cost, as ratios from one run.
+
+- sliding window: a 32k context with W = 4096 against a plain 4k context (goal: close to 1);
+- multi-token decode: 4 new tokens per sequence against 1 (goal: <= 1.3x);
+- fp8 KV cache: the fp8 cache against the float16 one (goal: >= 1.8x faster when the float16 KV
+  is >= 1 GB), and FlashInfer's fp8 decode as a peer when it runs.
+Each pair is timed back to back on the same device with the same Timer as the main table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WINDOW = 4096
+WINDOW_CONTEXT = 32768
+WINDOW_BATCHES = (1, 8)
+MULTI_TOKEN_SHAPES = ((1, 32768), (8, 4096), (32, 2048), (64, 4096))
+QUERY_LEN = 4
+FP8_SHAPES = ((8, 4096), (16, 16384), (64, 4096), (256, 2048))
+FP8_FORMAT = "fp8_e4m3"
+
+
+def _problem(cupy, rng, batch, seq_len, args, query_len=1):
+    from .bench import make_problem
+    query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args)
+    if query_len > 1:
+        query = cupy.random.standard_normal((batch * query_len,) + query.shape[1:],
+                                            dtype=cupy.float32).astype(query.dtype)
+    return query, key, value, tables, lens, tables_np
+
+
+def _time_decode(timer, cupy, problem, **options):
+    from . import decode
+    query, key, value, tables, lens, _ = problem
+    out = cupy.empty_like(query)
+    return timer.median_us(lambda: decode(query, key, value, tables, lens, out=out, **options))
+
+
+def window_rows(cupy, timer, rng, args):
+    rows = []
+    for batch in WINDOW_BATCHES:
+        long = _problem(cupy, rng, batch, WINDOW_CONTEXT, args)
+        windowed = _time_decode(timer, cupy, long, sliding_window=WINDOW,
+                                max_seq_len=WINDOW_CONTEXT)
+        full = _time_decode(timer, cupy, long, max_seq_len=WINDOW_CONTEXT)
+        del long
+        short = _problem(cupy, rng, batch, WINDOW, args)
+        plain = _time_decode(timer, cupy, short, max_seq_len=WINDOW)
+        del short
+        rows.append(dict(feature="sliding_window", batch=batch, seq_len=WINDOW_CONTEXT,
+                         window=WINDOW, windowed_us=windowed, full_context_us=full,
+                         plain_window_len_us=plain, ratio=windowed / plain))
+        print(f"  window {WINDOW} on {batch} x {WINDOW_CONTEXT}: {windowed:8.1f} us; plain "
+              f"{batch} x {WINDOW}: {plain:8.1f} us ({windowed / plain:.2f}x); whole "
+              f"{WINDOW_CONTEXT}: {full:8.1f} us", flush=True)
+    return rows
+
+
+def multi_token_rows(cupy, timer, rng, args):
+    rows = []
+    for batch, seq_len in MULTI_TOKEN_SHAPES:
+        one = _problem(cupy, rng, batch, seq_len, args)
+        single = _time_decode(timer, cupy, one, max_seq_len=seq_len)
+        query = cupy.random.standard_normal((batch * QUERY_LEN,) + one[0].shape[1:],
+                                            dtype=cupy.float32).astype(one[0].dtype)
+        loc = np.arange(0, batch * QUERY_LEN + 1, QUERY_LEN, dtype=np.int32)
+        several = _time_decode(timer, cupy, (query,) + one[1:], query_start_loc=loc,
+                               max_seq_len=seq_len)
+        del one, query
+        rows.append(dict(feature="multi_token", batch=batch, seq_len=seq_len,
+                         query_len=QUERY_LEN, single_us=single, multi_us=several,
+                         ratio=several / single))
+        print(f"  {QUERY_LEN} new tokens on {batch} x {seq_len}: {several:8.1f} us; 1 token: "
+              f"{single:8.1f} us ({several / single:.2f}x)", flush=True)
+    return rows
+
+
+def fp8_rows(cupy, timer, rng, args):
+    from .fp8 import quantize_fp8
+    rows = []
+    for batch, seq_len in FP8_SHAPES:
+        problem = _problem(cupy, rng, batch, seq_len, args)
+        query, key, value, tables, lens, tables_np = problem
+        half = _time_decode(timer, cupy, problem, max_seq_len=seq_len)
+        scale = 0.02  # N(0, 1) data: codes use the upper range without saturating much
+        key8, value8 = quantize_fp8(key, FP8_FORMAT, scale), quantize_fp8(value, FP8_FORMAT, scale)
+        del key, value, problem
+        fp8 = _time_decode(timer, cupy, (query, key8, value8, tables, lens, None),
+                           kv_format=FP8_FORMAT, k_scale=scale, v_scale=scale,
+                           max_seq_len=seq_len)
+        peer = None if args.no_peers else _flashinfer_fp8(cupy, timer, query, key8, value8,
+                                                         tables_np, seq_len, scale, args)
+        kv_bytes = 2 * batch * seq_len * args.kv_heads * args.head_size * query.dtype.itemsize
+        rows.append(dict(feature="fp8", batch=batch, seq_len=seq_len, kv_format=FP8_FORMAT,
+                         fp16_kv_bytes=kv_bytes, fp16_us=half, fp8_us=fp8,
+                         flashinfer_fp8_us=peer, speedup=half / fp8))
+        peer_text = f"; FlashInfer fp8 {peer:8.1f} us" if peer is not None else ""
+        print(f"  fp8 cache on {batch} x {seq_len} ({kv_bytes / 1e9:.2f} GB as float16): "
+              f"{fp8:8.1f} us; float16 {half:8.1f} us ({half / fp8:.2f}x faster){peer_text}",
+              flush=True)
+        del key8, value8, query
+    return rows
+
+
+def _flashinfer_fp8(cupy, timer, query, key8, value8, tables_np, seq_len, scale, args):
+    """FlashInfer's paged decode on the same fp8 pages, if it runs."""
+    from .bench import _peer, flashinfer_peer
+    launch = _peer("FlashInfer fp8", flashinfer_peer, cupy, query, key8, value8, tables_np,
+                   seq_len, args, scale)
+    return timer.median_us(launch) if launch is not None else None
+
+
+def feature_rows(cupy, timer, rng, args) -> list[dict]:
+    print(f"features ({args.dtype}, heads {args.heads}/{args.kv_heads}, head {args.head_size}, "
+          f"block {args.block_size}):")
+    parts = {"window": window_rows, "multi_token": multi_token_rows, "fp8": fp8_rows}
+    wanted = list(parts) if args.features == "all" else args.features.split(",")
+    unknown = set(wanted) - set(parts)
+    if unknown:
+        raise SystemExit(f"--features: unknown {sorted(unknown)}; choose from {list(parts)}")
+    if args.dtype not in ("float16", "bfloat16") and "fp8" in wanted:
+        print("  [fp8 rows skipped: fp8 caches serve float16 / bfloat16 queries]")
+        wanted.remove("fp8")
+    rows = []
+    for name in wanted:
+        rows += parts[name](cupy, timer, rng, args)
+    return rows

@@ -1,0 +1,103 @@
+"""Decode from an fp8 cache on the GPU against the float64 reference on the dequantised cache.
+
+Both formats, per-tensor and per-head scales, every head size, block size and GQA ratio of the
+core matrix. Skips without a GPU; runs unchanged on CUDA and ROCm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa.arrays import gpu_available
+from cupa.reference import paged_decode_reference
+
+from cases import make_case, rel_error
+from test_gpu_decode import PARTITION, kernel_modes
+
+pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
+
+FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz")
+FP8_REL_BOUND = 1e-2  # the issue's bound, against the reference on the dequantised cache
+
+
+def quantized(case, fmt, rng, per_head):
+    """The case's cache as fp8 codes with random scales (N(0, 1) data, so scales of 1/60 to
+    1/30 use the codes' range without saturating: e4m3fnuz's largest is 240), and the
+    dequantised cache the reference sees."""
+    num_kv_heads = case.key_cache.shape[1]
+    size = num_kv_heads if per_head else ()
+    k_scale = np.asarray(rng.uniform(1 / 60, 1 / 30, size), dtype=np.float32)
+    v_scale = np.asarray(rng.uniform(1 / 60, 1 / 30, size), dtype=np.float32)
+    shaped = (lambda s: s.reshape(1, -1, 1, 1)) if per_head else (lambda s: s)
+    codes, dequantized = [], []
+    for cache, scale in ((case.key_cache, k_scale), (case.value_cache, v_scale)):
+        c = cupa.quantize_fp8(cache.astype(np.float32), fmt, shaped(scale))
+        codes.append(c)
+        dequantized.append(cupa.dequantize_fp8(c, fmt, shaped(scale)))
+    scales = (k_scale, v_scale) if per_head else (float(k_scale), float(v_scale))
+    return codes, dequantized, scales
+
+
+def check_fp8(case, fmt, rng, per_head=True):
+    import os
+    import cupy
+    (k8, v8), (k_ref, v_ref), (k_scale, v_scale) = quantized(case, fmt, rng, per_head)
+    q, _, _, tables, lens = case.args()
+    options = case.options()
+    ref, ref_lse = paged_decode_reference(q, k_ref, v_ref, tables, lens, **options)
+    args = [cupy.asarray(x) for x in (q, k8, v8, tables, lens)]
+    device_options = case.options(cupy.asarray)
+    saved = os.environ.get("CUPA_KERNEL")
+    try:
+        for mode in kernel_modes(case):
+            os.environ["CUPA_KERNEL"] = mode
+            for partition_size in (PARTITION, None):
+                out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+                _, lse = cupa.decode(*args, **device_options, kv_format=fmt, k_scale=k_scale,
+                                     v_scale=v_scale, out=out, return_lse=True,
+                                     partition_size=partition_size)
+                got = cupy.asnumpy(out).astype(np.float64)
+                where = f"kernel={mode}, partition_size={partition_size}, {fmt}"
+                assert np.isfinite(got).all(), f"non-finite output ({where})"
+                err = rel_error(got, ref)
+                assert err <= FP8_REL_BOUND, f"rel error {err:.3g} ({where})"
+                np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=1e-3,
+                                           err_msg=f"lse ({where})")
+    finally:
+        if saved is None:
+            os.environ.pop("CUPA_KERNEL", None)
+        else:
+            os.environ["CUPA_KERNEL"] = saved
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_matrix(rng, dtype, head_size, block_size, group, fmt):
+    case = make_case(rng, dtype=dtype, head_size=head_size, block_size=block_size,
+                     num_kv_heads=2, group=group, seq_lens=(1, 255, 257, 700, 2000))
+    check_fp8(case, fmt, rng, per_head=bool(group % 2))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_with_every_feature(rng, fmt):
+    case = make_case(rng, dtype="bfloat16", head_size=128, block_size=16, num_kv_heads=2,
+                     group=8, seq_lens=(1, 300, 2000), new_tokens=(1, 4, 16),
+                     sliding_window=500, logits_soft_cap=10.0, sinks=True, alibi=True)
+    check_fp8(case, fmt, rng)
+
+
+def test_fp8_needs_uint8_caches_and_16_bit_queries(rng):
+    import cupy
+    case = make_case(rng, dtype="float32", head_size=64, seq_lens=(5,))
+    args = [cupy.asarray(x) for x in case.args()]
+    with pytest.raises(TypeError, match="fp8 cache needs a query of dtype"):
+        cupa.decode(*args, kv_format="fp8_e4m3")
+    case = make_case(rng, dtype="float16", head_size=64, seq_lens=(5,))
+    args = [cupy.asarray(x) for x in case.args()]
+    with pytest.raises(TypeError, match="must be uint8"):
+        cupa.decode(*args, kv_format="fp8_e4m3")

@@ -1,0 +1,13 @@
+"""Print registers and local memory (spills) of the tensor-core decode kernels on this GPU."""
+from cupa import variants
+from cupa.compiler import kernels
+from cupa.device import device_info
+
+info = device_info()
+for v in variants.all_mma_variants():
+    if v.head_size != 128:
+        continue
+    fn = kernels(v, info.index)[v.partition_name]
+    a = fn.attributes
+    print(f"{v.partition_name:40s} regs {a['num_regs']:4d} local {a['local_size_bytes']:5d} B "
+          f"smem {a['shared_size_bytes']:6d} B")
