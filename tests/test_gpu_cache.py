@@ -42,28 +42,41 @@ def random_rows(rng, n, num_kv_heads, head_size, dtype):
     return rows.astype(DTYPES[dtype])
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_write_kernel_matches_numpy(rng, dtype, head_size, block_size):
+def write_twins(rng, gpu, host, head_size, dtype, make_rows=None):
+    """Reserve four sequences in both caches and write random rows of two layers, with padding
+    tokens interleaved in shuffled order (a slot's position in the batch is free). The GPU write
+    takes numpy inputs for layer 0 (uploaded by write) and int32 device slots for layer 1.
+    make_rows(rng, n, num_kv_heads, head_size, dtype) draws the rows (default random_rows).
+    Returns the padded slots and each layer's (K, V) rows."""
     import cupy
-    gpu, host = twin_caches(dtype, head_size, block_size)
+    make_rows = make_rows or random_rows
+    block_size = gpu.block_size
     lengths = [1, block_size - 1, 3 * block_size + 5, int(rng.integers(1, 200))]
     seq_ids = list(range(len(lengths)))
     slots = gpu.extend(seq_ids, lengths)
     assert np.array_equal(slots, host.extend(seq_ids, lengths))
-    # Padding tokens interleaved, in shuffled order (a slot's position in the batch is free).
     padded = np.concatenate([slots, -np.ones(7, np.int64)])
     padded = padded[rng.permutation(len(padded))]
+    rows = []
     for layer in range(2):
-        k = random_rows(rng, len(padded), 2, head_size, dtype)
-        v = random_rows(rng, len(padded), 2, head_size, dtype)
+        k = make_rows(rng, len(padded), 2, head_size, dtype)
+        v = make_rows(rng, len(padded), 2, head_size, dtype)
         host.write(layer, padded, k, v)
         if layer == 0:
-            gpu.write(layer, padded, k, v)  # numpy inputs: uploaded by write
+            gpu.write(layer, padded, k, v)
         else:
             gpu.write(layer, cupy.asarray(padded.astype(np.int32)), cupy.asarray(k),
                       cupy.asarray(v))
+        rows.append((k, v))
+    return padded, rows
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_write_kernel_matches_numpy(rng, dtype, head_size, block_size):
+    gpu, host = twin_caches(dtype, head_size, block_size)
+    write_twins(rng, gpu, host, head_size, dtype)
     for layer in range(2):
         np.testing.assert_array_equal(bits(gpu.key_cache(layer)), bits(host.key_cache(layer)))
         np.testing.assert_array_equal(bits(gpu.value_cache(layer)),

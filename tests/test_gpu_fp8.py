@@ -6,7 +6,6 @@ ROCm."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -18,6 +17,7 @@ from cupa.reference import paged_decode_reference
 import fp8_probe
 from cases import DTYPES, REL_BOUND, rel_error
 from test_fp8 import oracle, random_floats, special_values
+from test_gpu_cache import write_twins
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
@@ -82,28 +82,12 @@ def codes(array):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("name", FORMATS)
 def test_fp8_write_kernel_matches_host(rng, name, dtype, head_size, block_size):
-    import cupy
     gpu, host = twin_caches(rng, name, dtype, head_size, block_size)
-    lengths = [1, block_size - 1, 3 * block_size + 5, int(rng.integers(1, 200))]
-    seq_ids = list(range(len(lengths)))
-    slots = gpu.extend(seq_ids, lengths)
-    assert np.array_equal(slots, host.extend(seq_ids, lengths))
-    # Padding tokens interleaved, in shuffled order.
-    padded = np.concatenate([slots, -np.ones(7, np.int64)])
-    padded = padded[rng.permutation(len(padded))]
+    padded, rows = write_twins(rng, gpu, host, head_size, dtype, make_rows=random_rows)
     keep = padded >= 0
-    for layer in range(2):
-        k = random_rows(rng, len(padded), 2, head_size, dtype)
-        v = random_rows(rng, len(padded), 2, head_size, dtype)
-        host.write(layer, padded, k, v)
-        if layer == 0:
-            gpu.write(layer, padded, k, v)  # numpy inputs: uploaded by write
-        else:
-            gpu.write(layer, cupy.asarray(padded.astype(np.int32)), cupy.asarray(k),
-                      cupy.asarray(v))
-        # Directly against quantize_fp8 with the per-head scales.
-        used = padded[keep]
-        blocks, offsets = used // block_size, used % block_size
+    used = padded[keep]
+    blocks, offsets = used // block_size, used % block_size
+    for layer, (k, v) in enumerate(rows):  # directly against quantize_fp8, per-head scales
         np.testing.assert_array_equal(codes(gpu.key_cache(layer))[blocks, :, offsets],
                                       quantize_fp8(k[keep], name, gpu.k_scale[:, None]))
         np.testing.assert_array_equal(codes(gpu.value_cache(layer))[blocks, :, offsets],
