@@ -374,19 +374,37 @@ class PagedKVCache:
         flat = self._table_buffers.publish(n + n * width)
         return flat[n:].reshape(n, width), flat[:n]
 
-    def decode(self, layer: int, query, seq_ids: Sequence, **decode_kwargs):
-        """`cupa.decode` of one new query token per sequence against this layer's cache.
+    def decode(self, layer: int, query, seq_ids: Sequence, *, new_tokens=None,
+               **decode_kwargs):
+        """`cupa.decode` of the sequences' newest tokens against this layer's cache.
 
-        query [len(seq_ids), num_heads, head_size]; decode_kwargs go to `cupa.decode` (scale,
-        alibi_slopes, out, return_lse, partition_size, stream, ...). An fp8 cache passes its
-        kv_format, k_scale and v_scale itself.
+        query [len(seq_ids), num_heads, head_size]: one new token per sequence; or, with
+        new_tokens (an int for every sequence, or one count per sequence, 1 to 16 each), the
+        sum(new_tokens) rows of multi-token decode, sequence by sequence: each sequence's last
+        new_tokens tokens (already extended and written) attend causally to its cache.
+        decode_kwargs go to `cupa.decode` (scale, alibi_slopes, sliding_window, out, return_lse,
+        partition_size, stream, ...; query_start_loc may be passed instead of new_tokens). An
+        fp8 cache passes its kv_format, k_scale and v_scale itself.
         """
         layer = self._check_layer(layer)
         seq_ids = list(seq_ids)
+        if new_tokens is not None:
+            if decode_kwargs.get("query_start_loc") is not None:
+                raise ValueError("new_tokens and query_start_loc: give one of them")
+            counts = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
+            if counts.size == 1:
+                counts = np.repeat(counts, len(seq_ids))
+            if counts.size != len(seq_ids):
+                raise ValueError(f"new_tokens: {counts.size} counts for {len(seq_ids)} seq_ids")
+            # cupa.decode checks the counts (1 to 16) and that each sequence holds them.
+            decode_kwargs["query_start_loc"] = np.concatenate(
+                [[0], np.cumsum(counts)]).astype(np.int32)
         shape = tuple(arrays.host_view(query).shape)
-        if len(shape) != 3 or shape[0] != len(seq_ids):
+        if decode_kwargs.get("query_start_loc") is None and (
+                len(shape) != 3 or shape[0] != len(seq_ids)):
             raise ValueError(f"query: expected shape [len(seq_ids)={len(seq_ids)}, num_heads, "
-                             f"head_size], got {shape}")
+                             f"head_size] (or pass new_tokens for several per sequence), got "
+                             f"{shape}")
         owned = sorted({"kv_format", "k_scale", "v_scale"} & set(decode_kwargs))
         if owned:
             raise ValueError(f"{', '.join(owned)}: set by the cache (constructor arguments), "

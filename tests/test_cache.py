@@ -103,6 +103,28 @@ def test_decode_matches_contiguous_layout(rng, dtype):
     assert out.shape == (1, 4, 64) and lse.shape == (1, 4)
 
 
+def test_multi_token_decode_through_the_cache(rng):
+    cache = make_cache()
+    history = History(cache, rng)
+    history.append([0, 1], [20, 5])
+    history.append([0, 1], [3, 4])  # draft tokens, extended and written like any others
+    query = rng.standard_normal((7, 4, 64)).astype(np.float32)
+    loc = np.array([0, 3, 7], np.int32)
+    for layer in range(2):
+        got = cache.decode(layer, query, [0, 1], new_tokens=[3, 4])
+        want = cupa.decode(query, *history.contiguous(layer, [0, 1]), query_start_loc=loc,
+                           backend="numpy")
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(cache.decode(layer, query, [0, 1], query_start_loc=loc),
+                                      want)
+    with pytest.raises(ValueError, match="new_tokens: 3 counts for 2 seq_ids"):
+        cache.decode(0, query, [0, 1], new_tokens=[3, 2, 2])
+    with pytest.raises(ValueError, match="give one of them"):
+        cache.decode(0, query, [0, 1], new_tokens=3, query_start_loc=loc)
+    with pytest.raises(ValueError, match="or pass new_tokens"):
+        cache.decode(0, query, [0, 1])
+
+
 def test_new_ids_start_empty_and_slots_follow_seq_ids(rng):
     cache = make_cache(block_size=8)
     slots = cache.extend(["a", "b"], [3, 10])
