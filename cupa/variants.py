@@ -77,7 +77,7 @@ class _TwoPhase:
 
     @property
     def tag(self) -> str:
-        """Query dtype tag, plus 'kv8' for an fp8 cache."""
+        """Query dtype tag, plus the cache kind's (kv8: software fp8, kv8fn: hardware e4m3)."""
         return DTYPES[self.dtype][0] + (_CACHE_TYPES[self.cache][0] if self.cache else "")
 
     @property
