@@ -42,8 +42,9 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     query_start_loc  int32 [num_seqs + 1]: multi-token decode (speculative decoding). Sequence s
                   owns query rows query_start_loc[s] .. query_start_loc[s + 1] - 1, 1 to 16 of
                   them; its token i of q_len sits at position p = seq_len - q_len + i and sees
-                  positions <= p (causal among the new tokens). Each K/V row is still read once
-                  per KV head and partition, for all of a sequence's new tokens together.
+                  positions <= p (causal among the new tokens). A workgroup applies each K/V
+                  row it reads to all its (new token, head) rows: up to 64 on the tensor-core
+                  path, 8 on the portable one (README, "Multi-token decode").
     max_query_len the most new tokens of any sequence; only needed when query_start_loc is on
                   the device (default: the most its shape allows, at most 16). Host arrays are
                   read instead. A too small value leaves rows unwritten.
