@@ -97,8 +97,10 @@ class DecodePlan:
                  own_outputs=True):
         self.shape, self.backend, self.options = shape, backend, options
         self.fmt = check_kv_format(options.kv_format)
-        self.k_scale = kv_scales(k_scale, shape.num_kv_heads, "k_scale")
-        self.v_scale = kv_scales(v_scale, shape.num_kv_heads, "v_scale")
+        self.k_scale = self.v_scale = None  # float32 [num_kv_heads] for an fp8 cache
+        if self.fmt is not None:
+            self.k_scale = kv_scales(k_scale, shape.num_kv_heads, "k_scale")
+            self.v_scale = kv_scales(v_scale, shape.num_kv_heads, "v_scale")
         self.max_query_len = int(max_query_len)
         self.out = self.lse = None
         if backend != "gpu":
@@ -113,8 +115,8 @@ class DecodePlan:
                                       partition_size=partition_size, max_seq_len=max_seq_len,
                                       max_query_len=self.max_query_len)
         self._workspace = allocate_workspace(self._launch_plan, shape)
-        factors = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale, self.v_scale)
-        self._kv_scales = None if factors is None else cupy.asarray(factors)
+        self._kv_scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale,
+                                           self.v_scale, info.index)
         if own_outputs:
             self.out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
                                   dtype=query_dtype)

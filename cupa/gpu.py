@@ -8,6 +8,7 @@ every pointer to stay put).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,15 +45,25 @@ def allocate_workspace(plan: LaunchPlan, shape: DecodeShape) -> Workspace:
                      part_sum=cupy.empty(partials, dtype=cupy.float32))
 
 
-def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray,
-                     v_scale: np.ndarray) -> np.ndarray | None:
-    """The kernels' fp8 factors, float32 [2 * num_kv_heads] (K heads, then V heads), or None for
-    a plain cache. A software-widening kernel sees a code's value times 2^(bias - 15), so that
-    power of two is folded in here (variants.fp8_value_power)."""
+def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.ndarray,
+                     device_index: int):
+    """The kernels' fp8 factors on the device, float32 [2 * num_kv_heads] (K heads, then V
+    heads), or None for a plain cache. A software-widening kernel sees a code's value times
+    2^(bias - 15), so that power of two is folded in here (variants.fp8_value_power)."""
     if fmt is None:
         return None
     power = np.float32(variants.fp8_value_power(plan.variant, fmt.exponent_bias))
-    return np.concatenate([k_scale * power, v_scale * power]).astype(np.float32)
+    factors = np.concatenate([k_scale * power, v_scale * power]).astype(np.float32)
+    return _device_factors(factors.tobytes(), device_index)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_factors(raw: bytes, device_index: int):
+    """One device copy per set of factors: a decode loop over the layers of a model reuses it
+    instead of uploading the same few floats on every call. Read-only for the kernels."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device_index):
+        return cupy.asarray(np.frombuffer(raw, dtype=np.float32))
 
 
 def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_index: int, *,

@@ -269,6 +269,10 @@ def test_fp8_cuh_matches_host_and_ml_dtypes(host_probe, rng, name):
 def test_gpu_probe_compiles_offline(arch):
     from test_compile_offline import missing_compilers
     from cupa.compiler import compile_offline
-    if missing_compilers():
-        pytest.skip("offline compilers missing: " + "; ".join(missing_compilers()))
+    missing = missing_compilers()
+    if missing:
+        message = "offline compilers missing: " + "; ".join(missing)
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
     assert compile_offline(fp8_probe.Fp8ProbeVariant(), arch) > 0

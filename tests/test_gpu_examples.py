@@ -18,9 +18,11 @@ from cupa.arrays import gpu_available
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
-from test_examples import (MAX_NEW, MODELS, PROMPTS, ROOT, SamplingParams,  # noqa: E402
-                           build_model, logits_errors, record_logits, reference_greedy,
-                           reference_logits, run_engine)
+# The tiny checkpoints and their reference greedy outputs: the CPU tests' fixtures (built again
+# for this module, as they are module-scoped).
+from test_examples import (MAX_NEW, MODELS, PROMPTS, ROOT, SamplingParams,  # noqa: E402,F401
+                           expected, logits_errors, models, record_logits, reference_logits,
+                           run_engine)
 
 # ||logits - ref|| / ||ref|| bound per compute dtype (weights are rounded to the checkpoint dtype
 # in the reference too, so this measures activation / KV rounding only).
@@ -28,17 +30,6 @@ LOGITS_BOUND = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 # With an fp8 KV cache: the compute dtype's bound plus the fp8 share, which the numpy backend
 # measures at ~0.03 on these models (test_examples bounds it by 0.05 there).
 FP8_LOGITS_BOUND = {dtype: bound + 0.05 for dtype, bound in LOGITS_BOUND.items()}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-ckpt")
-    return {name: build_model(root, name) for name in MODELS}
-
-
-@pytest.fixture(scope="module")
-def expected(models):
-    return {name: [reference_greedy(m, p, MAX_NEW) for p in PROMPTS] for name, m in models.items()}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
