@@ -41,8 +41,20 @@ def kernels(variant, device_index: int | None = None) -> dict:
                 cupy = cupy_module()
                 module = cupy.RawModule(code=variants.module_source(variant), options=options)
                 compiled = {name: module.get_function(name) for name in variant.entry_names}
+                _allow_dynamic_shared(compiled, getattr(variant, "shared_bytes", 0))
                 _modules[key] = compiled
     return compiled
+
+
+# Above this, a kernel must opt in to more dynamic shared memory (CUDA; the tensor-core kernels
+# that use it exist only for NVIDIA: HIP's setter fails, and its LDS is 64 KB anyway).
+DEFAULT_DYNAMIC_SHARED = 48 * 1024
+
+
+def _allow_dynamic_shared(compiled: dict, nbytes: int) -> None:
+    if nbytes > DEFAULT_DYNAMIC_SHARED:
+        for kernel in compiled.values():
+            kernel.max_dynamic_shared_size_bytes = nbytes
 
 
 # ---------------------------------------------------------------------------------------------

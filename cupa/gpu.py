@@ -82,7 +82,8 @@ def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_in
         np.float32(shape.scale), np.float32(shape.logits_soft_cap), i32(shape.sliding_window),
         i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
         i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
-        i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks)))
+        i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks)),
+        shared_mem=plan.variant.shared_bytes)
     if not plan.single_partition:
         reduce_grid = (shape.num_heads, plan.max_query_len, shape.num_seqs)
         kernels[plan.variant.reduce_name](reduce_grid, (variants.THREADS,), (

@@ -105,6 +105,7 @@ class DecodeVariant(_TwoPhase):
     # workgroups per multiprocessor to aim for before splitting sequences further.
     min_partition = 256
     workgroups_per_sm = 4
+    shared_bytes = 0  # static shared memory only
 
     @property
     def rows(self) -> int:
@@ -135,11 +136,23 @@ class DecodeMmaVariant(_TwoPhase):
     heads: int
     cache: str | None = None
     source_file = "decode_mma.cu"
-    # About 2 workgroups fit on a multiprocessor (~250 registers a thread): aim for one wave of
-    # long partitions. Shorter partitions and more waves were measured slower (docs/perf.md,
-    # v3-v4): each partition's fixed cost and the reduce pass outweigh the better balance.
+    # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
+    # ring of a float16 head-128 workgroup is 96 KB). Shorter partitions and more waves were
+    # measured slower (docs/perf.md, v3-v4): each partition's fixed cost and the reduce pass
+    # outweigh the better balance.
     min_partition = 256
     workgroups_per_sm = 2
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
+        64 tokens of K and V plus a flag byte per token; 3 stages when K alone is >= 16 KB, else
+        4), which the warps' merge buffer reuses. The kernel traps if given less."""
+        chunk = 16 * (THREADS // 32)
+        kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
+        stages = 3 if kv_bytes >= 16384 else 4
+        merge = (THREADS // 32) * (8 if self.heads == 8 else 16) * self.head_size * 4
+        return max(stages * (2 * kv_bytes + chunk), merge)
 
     @property
     def rows(self) -> int:

@@ -12,3 +12,21 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th of N interleaved slices of the collected tests "
+                          "(tools/device_run.sh runs N processes in parallel)")
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    index, count = (int(x) for x in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"--shard {shard}: need 0 <= I < N")
+    keep = [item for n, item in enumerate(items) if n % count == index]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep

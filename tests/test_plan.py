@@ -52,6 +52,24 @@ def test_fp8_kernel_selection(dtype, head_size, rows, arch, fmt, expected, power
     assert variant in variants.all_variants(arch)
 
 
+# Shared memory per multiprocessor, and the most one workgroup may opt in to (CUDA guide, compute
+# capability tables): sm_80 164 KB / 163 KB, sm_90 228 KB / 227 KB.
+SHARED_PER_SM = {"sm_80": (167936, 166912), "sm_90": (233472, 232448)}
+
+
+@pytest.mark.parametrize("arch", list(SHARED_PER_SM))
+def test_tensor_core_kernels_fit_their_shared_memory(arch):
+    """The K/V ring must fit: two workgroups per multiprocessor on sm_90 (the planner aims at
+    two), at least one on sm_80; the merge buffer reuses it."""
+    per_sm, per_block = SHARED_PER_SM[arch]
+    for v in variants.all_mma_variants():
+        assert 0 < v.shared_bytes <= per_block, v
+        if arch == "sm_90":
+            assert 2 * (v.shared_bytes + 1024) <= per_sm, v  # + 1 KB reserved per workgroup
+        head_rows = 8 if v.heads == 8 else 16
+        assert v.shared_bytes >= 4 * head_rows * v.head_size * 4  # the merge buffer fits
+
+
 def test_forcing_the_portable_kernel(monkeypatch):
     monkeypatch.setenv("CUPA_KERNEL", "portable")
     assert isinstance(variants.decode_variant("float16", 128, 8, "sm_90"), variants.DecodeVariant)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then benchmarks. Usage: tools/device_run.sh [tests|bench|all]
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present.
-# The GPU tests run as four parallel pytest processes (their time is mostly the float64 numpy
+# The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
 # reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -13,18 +13,14 @@ fi
 what="${1:-all}"
 shift || true
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  groups=("tests/test_gpu_decode.py"
-          "tests/test_gpu_multi_token.py tests/test_gpu_cache.py"
-          "tests/test_gpu_fp8_decode.py"
-          "tests/test_gpu_fp8.py tests/test_gpu_examples.py tests/test_hf_parity.py tests/test_cli.py tests/test_decode_numpy.py tests/test_fp8.py")
-  for i in "${!groups[@]}"; do
-    # shellcheck disable=SC2086
-    timeout 480 python3 -m pytest -q -p no:cacheprovider -k "gpu or hf_parity" "$@" \
-      ${groups[$i]} > "$OUT/gpu_tests_$i.log" 2>&1 &
+  shards=8
+  for i in $(seq 0 $((shards - 1))); do
+    OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 480 python3 -m pytest -q -p no:cacheprovider \
+      -k "gpu or hf_parity" --shard "$i/$shards" "$@" tests > "$OUT/gpu_tests_$i.log" 2>&1 &
   done
   wait
-  for i in "${!groups[@]}"; do
-    echo "== ${groups[$i]}"; grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -3
+  for i in $(seq 0 $((shards - 1))); do
+    echo "== shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_$i.log" | head -10
   done
 fi

@@ -6,21 +6,22 @@
 //
 // With GQA the query heads of one KV head form a small matrix, so QK^T and PV are matrix products
 // whose FMA cost on CUDA cores outgrows the memory time at group sizes of 4-8 and more. Here the
-// up-to-16 query heads of a chunk are the M=16 rows of mma.sync.m16n8k16 (rows past the group are
-// zero), and every K/V row is read once from global memory straight into registers.
+// query rows are an operand of mma.sync.m16n8k16 (rows past the group are zero).
 //
-// Register layout without shared memory or ldmatrix: the order of the summed index of a matrix
-// product does not matter, so we permute it to make every global load 16 bytes wide.
-//   QK (S = Q K^T, k = head dim): lane (g = lane/4, c = lane%4) loads K[token g][32b + 8c .. +8]
+// Memory: the workgroup streams its partition's K/V rows through a ring of shared-memory stages
+// filled by cp.async (KvStream), several chunks ahead; the warps read their fragments from the
+// staged rows. Fragment layout without ldmatrix: the order of the summed index of a matrix
+// product does not matter, so we permute it to make every fragment read 16 (fp8: 8) bytes wide.
+//   QK (S = Q K^T, k = head dim): lane (g = lane/4, c = lane%4) reads K[token g][32b + 8c .. +8]
 //     and feeds its four 32-bit words as the B fragments of two k16 steps; Q's A fragments are
 //     loaded with the same permutation once per workgroup.
 //   PV (O = P V, k = token): P comes straight from the QK accumulators (the FA2 register reuse);
-//     n-tile j of the output maps to head-dim column 64*(j/8) + 8*n + j%8, so lane (g, c) loads
+//     n-tile j of the output maps to head-dim column 64*(j/8) + 8*n + j%8, so lane (g, c) reads
 //     V[token][64b + 8g .. +8] for its four tokens {2c, 2c+1, 2c+8, 2c+9} and packs pairs of them
 //     with one byte-permute per B fragment. Output columns come back as 16 contiguous values
 //     per 64-column block.
-// Each warp of the workgroup takes every NWARPS-th 16-token step of the partition with its own
-// running max and sum; the warps merge through shared memory at the end.
+// Each warp computes 16-token steps of the staged chunks with its own running max and sum; the
+// warps merge through shared memory at the end.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -199,34 +200,175 @@ struct RowMask {
     }
 };
 
-// One 16-token step of a warp. A lane touches tokens g and g + 8 (K rows) and 2c, 2c + 1, 2c + 8,
-// 2c + 9 (V rows). The step is loaded in two stages, each one step ahead of its use:
-//   StepBlocks: the block ids of those six tokens (block-table reads);
-//   KvStep:     the K/V vectors themselves, whose addresses need the block ids.
-// So in steady state a warp has the table reads of step s + 2 and the K/V reads of step s + 1 in
-// flight while it computes step s, and no K/V load waits on a table read.
-struct StepBlocks {
-    i32 id[6];  // -1 past the partition's end
-};
+// ---- K/V staging ---------------------------------------------------------------------------
+// The workgroup copies its partition's K/V rows into a ring of STAGES chunks of CHUNK tokens in
+// shared memory with cp.async, STAGES - 1 chunks ahead of the chunk the warps compute on. The
+// copies hold no registers while in flight, so a workgroup keeps 24-64 KB of loads outstanding
+// at 130-210 registers a thread, and the warps of every row tile read the same staged rows
+// (each K/V byte crosses from DRAM once per workgroup, whatever the number of rows).
 
-CUPA_FN StepBlocks step_blocks(const PagedRows& rows, int base, int g, int c) {
-    const int offsets[6] = {g, g + 8, 2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
-    StepBlocks s;
-#pragma unroll
-    for (int i = 0; i < 6; ++i) {
-        const int t = base + offsets[i];
-        s.id[i] = t < rows.end ? rows.table[t >> rows.shift] : -1;
-    }
-    return s;
+CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
+CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+CUPA_FN void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING> CUPA_FN void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+CUPA_FN u32 dynamic_shared_bytes() {
+    u32 n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
 }
 
+// Layout of one stage: K rows, V rows (CHUNK x D elements of C each), one readable flag per token
+// (0 past the partition's end or for a block id outside the cache; such rows are zero-filled).
+// variants.DecodeMmaVariant.shared_bytes mirrors BYTES.
+template <typename C, int D>
+struct KvRing {
+    static constexpr int CHUNK = 16 * (CUPA_THREADS / 32);  // one 16-token step per warp
+    static constexpr int ROW_BYTES = D * (int)sizeof(C);
+    static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
+    static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
+    static constexpr int STAGE_BYTES = 2 * KV_BYTES + CHUNK;
+    static constexpr int STAGES = KV_BYTES >= 16384 ? 3 : 4;
+    static constexpr int BYTES = STAGES * STAGE_BYTES;
+    static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;  // rows one copy instruction covers
+    static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
+    static_assert(STAGE_BYTES % 16 == 0 && CHUNK % ROWS_PER_PASS == 0, "ring layout");
+
+    // The units of row r are stored permuted (unit ^ swizzle(r)): the fragment reads of KvStep
+    // touch one unit on each of 2-4 rows at a time, and unpermuted rows would all start on the
+    // same bank. The permutation depends on the element size because the read patterns do.
+    CUPA_FN static int swizzle(int r) {
+        return sizeof(C) == 2 ? ((((r >> 1) & 3) << 1) ^ ((r & 1) << 2))
+                              : (((r & 3) ^ ((r >> 1) & 3)) << 1);
+    }
+    // Byte offset of element e (a multiple of 8) of row r in a stage's K (or V) rows.
+    CUPA_FN static int offset(int r, int e) {
+        const int byte = e * (int)sizeof(C);
+        return r * ROW_BYTES + ((((byte >> 4) ^ swizzle(r)) & (UNITS - 1)) << 4) + (byte & 15);
+    }
+};
+
+// The copy side of the ring. Thread i copies unit i % UNITS of rows i / UNITS + p * ROWS_PER_PASS
+// of each chunk (a warp covers whole rows: coalesced), reading the block ids of the next chunk
+// one chunk ahead, so no copy waits on a block-table read.
+template <typename C, int D>
+struct KvStream {
+    typedef KvRing<C, D> R;
+    unsigned char* ring;
+    const C* key_cache;
+    const C* value_cache;
+    PagedRows rows;
+    int start, chunks;
+    i32 ids[R::PASSES];
+
+    CUPA_FN void read_blocks(int base) {
+        const int r0 = threadIdx.x / R::UNITS;
+#pragma unroll
+        for (int p = 0; p < R::PASSES; ++p) {
+            const int t = base + r0 + p * R::ROWS_PER_PASS;
+            ids[p] = t < rows.end ? rows.table[t >> rows.shift] : -1;
+        }
+    }
+
+    CUPA_FN void copy_chunk(int chunk) {
+        unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES;
+        const int base = start + chunk * R::CHUNK;
+        const int r0 = threadIdx.x / R::UNITS, u = threadIdx.x % R::UNITS;
+#pragma unroll
+        for (int p = 0; p < R::PASSES; ++p) {
+            const int r = r0 + p * R::ROWS_PER_PASS;
+            const i64 row = rows.row_in_block(ids[p], base + r);
+            const bool ok = row >= 0;
+            const i64 src = (ok ? row : 0) + u * (16 / (int)sizeof(C));
+            const int dst = R::offset(r, u * (16 / (int)sizeof(C)));
+            copy16_async(stage + dst, key_cache + src, ok);
+            copy16_async(stage + R::KV_BYTES + dst, value_cache + src, ok);
+            if (u == 0) stage[2 * R::KV_BYTES + r] = ok;
+        }
+    }
+
+    // Starts the first STAGES - 1 chunks of tokens [start_, end).
+    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows_,
+                       int start_, int end) {
+        ring = ring_;
+        key_cache = k;
+        value_cache = v;
+        rows = rows_;
+        start = start_;
+        chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
+        read_blocks(start);
+#pragma unroll
+        for (int k = 0; k < R::STAGES - 1; ++k) {
+            if (k < chunks) {
+                copy_chunk(k);
+                read_blocks(start + (k + 1) * R::CHUNK);
+            }
+            commit_copies();  // empty groups too: the wait below counts groups
+        }
+    }
+
+    // Waits until chunk i has landed (for every thread), starts chunk i + STAGES - 1 into the
+    // stage chunk i - 1 used (every warp is past it: the barrier), returns chunk i's stage.
+    CUPA_FN const unsigned char* stage(int i) {
+        wait_copies<R::STAGES - 2>();
+        __syncthreads();
+        const int next = i + R::STAGES - 1;
+        if (next < chunks) {
+            copy_chunk(next);
+            read_blocks(start + (next + 1) * R::CHUNK);
+        }
+        commit_copies();
+        return ring + (i % R::STAGES) * R::STAGE_BYTES;
+    }
+
+    // After the last chunk: the ring's memory may be reused (the warp merge).
+    CUPA_FN void end() {
+        wait_copies<0>();
+        __syncthreads();
+    }
+};
+
+// The K/V fragments of one 16-token step of a warp, read from a stage: lane (g, c) takes K rows
+// g and g + 8 (elements 32b + 8c .. +8, see the header) and V rows 2c, 2c + 1, 2c + 8, 2c + 9
+// (elements 64b + 8g .. +8), as stored; KvLoad widens them at use.
 template <typename C, int D>
 struct KvStep {
+    typedef KvRing<C, D> R;
     static constexpr int QK_BLOCKS = D / 32;  // 16-byte K vectors per row a lane reads
     static constexpr int V_VECS = D / 64;     // 8-element V vectors per row a lane reads
     typedef typename KvLoad<C>::Raw Raw;
     Raw k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
     bool k_valid[2], v_valid[4];
+
+    CUPA_FN void load(const unsigned char* stage, int r0, int g, int c) {
+        const unsigned char* k_s = stage;
+        const unsigned char* v_s = stage + R::KV_BYTES;
+        const unsigned char* ok_s = stage + 2 * R::KV_BYTES;
+#pragma unroll
+        for (int b = 0; b < QK_BLOCKS; ++b) {
+            k0[b] = KvLoad<C>::load8(
+                reinterpret_cast<const C*>(k_s + R::offset(r0 + g, 32 * b + 8 * c)));
+            k1[b] = KvLoad<C>::load8(
+                reinterpret_cast<const C*>(k_s + R::offset(r0 + g + 8, 32 * b + 8 * c)));
+        }
+        const int v_rows[4] = {2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+#pragma unroll
+            for (int b = 0; b < V_VECS; ++b)
+                v[t][b] = KvLoad<C>::load8(
+                    reinterpret_cast<const C*>(v_s + R::offset(r0 + v_rows[t], 64 * b + 8 * g)));
+            v_valid[t] = ok_s[r0 + v_rows[t]] != 0;
+        }
+        k_valid[0] = ok_s[r0 + g] != 0;
+        k_valid[1] = ok_s[r0 + g + 8] != 0;
+    }
 
     // The V vectors as mma-type pairs (see KvLoad).
     CUPA_FN void widen_v(cupa_u32x4 (*out)[V_VECS]) const {
@@ -235,34 +377,13 @@ struct KvStep {
 #pragma unroll
             for (int b = 0; b < V_VECS; ++b) out[t][b] = KvLoad<C>::widen(v[t][b]);
     }
-
-    // V vector b of a lane starts at column v_col0 + b * v_stride (the kernels' V layouts differ).
-    CUPA_FN void load(const C* key_cache, const C* value_cache, const PagedRows& rows,
-                      const StepBlocks& blocks, int base, int g, int c, int v_col0,
-                      int v_stride) {
-        const int offsets[6] = {g, g + 8, 2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
-        i64 row[6];
-#pragma unroll
-        for (int i = 0; i < 6; ++i) row[i] = rows.row_in_block(blocks.id[i], base + offsets[i]);
-        const Raw zero = Raw();  // all-zero bits: zeros in every storage type
-#pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            k0[b] = row[0] >= 0 ? KvLoad<C>::load8(key_cache + row[0] + 32 * b + 8 * c) : zero;
-            k1[b] = row[1] >= 0 ? KvLoad<C>::load8(key_cache + row[1] + 32 * b + 8 * c) : zero;
-        }
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-#pragma unroll
-            for (int b = 0; b < V_VECS; ++b)
-                v[t][b] = row[2 + t] >= 0
-                              ? KvLoad<C>::load8(value_cache + row[2 + t] + v_col0 + b * v_stride)
-                              : zero;
-        k_valid[0] = row[0] >= 0;
-        k_valid[1] = row[1] >= 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) v_valid[t] = row[2 + t] >= 0;
-    }
 };
+
+// Bytes of dynamic shared memory a kernel needs: the ring, reused by the warps' merge buffer.
+template <typename C, int D, int TILE_ROWS>
+__host__ __device__ constexpr int mma_shared_bytes() {
+    return cmax(KvRing<C, D>::BYTES, (CUPA_THREADS / 32) * TILE_ROWS * D * (int)sizeof(float));
+}
 
 // Query elements [offset, offset + 8) of local row r as mma-type pairs; zero past the chunk.
 template <typename T, typename M, int D>
@@ -273,14 +394,13 @@ CUPA_FN cupa_u32x4 query_or_zero(const T* query, const PartitionWork& w, int r, 
 
 // ---- 9-64 query rows: rows are the M=16 rows of a warp's m-tile (S = Q K^T, O = P V). ------
 // The workgroup's rows form up to NWARPS tiles of 16; the warps split evenly over the tiles (one
-// tile: all four warps; two: two each; three or four: one each), and the warps of a tile stride
-// over the partition's 16-token steps. Every warp reads the K/V rows of its own steps, so with
-// several tiles a K/V row is fetched from DRAM once and served to the other tiles' warps by the
-// caches.
+// tile: all four warps; two: two each; three or four: one each), and the warps of a tile share
+// the four 16-token steps of each staged chunk. Every tile reads the same staged K/V rows.
 template <typename T, typename C, int D>
 CUPA_FN void decode_partition_mma16(
     CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename MmaTypeOf<T, C>::type M;
+    typedef KvRing<C, D> R;
     constexpr int TILE_ROWS = 16;           // rows per warp tile = mma M
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int ROWS = TILE_ROWS * NWARPS;
@@ -289,8 +409,9 @@ CUPA_FN void decode_partition_mma16(
     constexpr int NT = D / 8;               // n-tiles of the output
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
 
-    __shared__ float o_s[NWARPS][TILE_ROWS][D];
+    extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][TILE_ROWS], l_s[NWARPS][TILE_ROWS];
+    if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, TILE_ROWS>()) __trap();
 
     PartitionWork w;
     if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
@@ -300,6 +421,9 @@ CUPA_FN void decode_partition_mma16(
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
+    KvStream<C, D> kv;
+    kv.begin(reinterpret_cast<unsigned char*>(dynamic_shared), key_cache, value_cache, rows,
+             w.start, w.end);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
     const int tiles = (w.nh + TILE_ROWS - 1) / TILE_ROWS;
@@ -327,79 +451,78 @@ CUPA_FN void decode_partition_mma16(
     float m_lo = neg_inf(), m_hi = neg_inf();  // running max of rows r_lo and r_hi (log2 domain)
     float l_lo = 0.f, l_hi = 0.f;              // this lane's share of the running sums
 
-    const int stride = warps_per_tile * STEP;
-    // A warp without a tile (three tiles on four warps) has no steps.
-    int base = tile < tiles ? w.start + slot * STEP : w.end;
-    KvStep<C, D> cur;
-    cur.load(key_cache, value_cache, rows, step_blocks(rows, base, g, c), base, g, c, 8 * g, 64);
-    StepBlocks blocks_next = step_blocks(rows, base + stride, g, c);
-    for (; base < w.end; base += stride) {
-        const StepBlocks blocks_after = step_blocks(rows, base + 2 * stride, g, c);
-        KvStep<C, D> next;
-        if (base + stride < w.end)
-            next.load(key_cache, value_cache, rows, blocks_next, base + stride, g, c, 8 * g, 64);
+    // A warp without a tile (three tiles on four warps) only helps with the copies.
+    const int first_step = tile < tiles ? slot : NWARPS;
+    for (int i = 0; i < kv.chunks; ++i) {
+        const unsigned char* stage = kv.stage(i);
+        for (int step = first_step; step < NWARPS; step += warps_per_tile) {
+            const int base = w.start + i * R::CHUNK + step * STEP;
+            KvStep<C, D> cur;
+            cur.load(stage, step * STEP, g, c);
 
-        // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1).
-        float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+            // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1).
+            float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]), k1 = KvLoad<C>::widen(cur.k1[b]);
-            MmaOp<M>::run(s0, qf[b][0], k0.x, k0.y);
-            MmaOp<M>::run(s0, qf[b][1], k0.z, k0.w);
-            MmaOp<M>::run(s1, qf[b][0], k1.x, k1.y);
-            MmaOp<M>::run(s1, qf[b][1], k1.z, k1.w);
+            for (int b = 0; b < QK_BLOCKS; ++b) {
+                const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]);
+                const cupa_u32x4 k1 = KvLoad<C>::widen(cur.k1[b]);
+                MmaOp<M>::run(s0, qf[b][0], k0.x, k0.y);
+                MmaOp<M>::run(s0, qf[b][1], k0.z, k0.w);
+                MmaOp<M>::run(s1, qf[b][0], k1.x, k1.y);
+                MmaOp<M>::run(s1, qf[b][1], k1.z, k1.w);
+            }
+            // Scale, soft-cap, ALiBi, masks. Element i: row r_lo (i & 2 == 0) or r_hi, V token
+            // (i & 1) | (i & 4) >> 1.
+            float s[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int tok = (e & 1) | ((e & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
+                const int t = base + 2 * c + (e & 1) + (e & 4 ? 8 : 0);
+                const float raw = e < 4 ? s0[e] : s1[e - 4];
+                s[e] = ((e & 2) ? mask_hi : mask_lo).logit(raw, t, cur.v_valid[tok], qk_scale,
+                                                           soft_cap);
+            }
+            // Online softmax per row; the four lanes of a quad share a row.
+            float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
+            float mx_hi = max_f(max_f(s[2], s[3]), max_f(s[6], s[7]));
+            mx_lo = max_f(mx_lo, warp_xor(mx_lo, 1));
+            mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
+            mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
+            mx_hi = max_f(mx_hi, warp_xor(mx_hi, 2));
+            const float new_lo = max_f(m_lo, mx_lo), new_hi = max_f(m_hi, mx_hi);
+            // Subtract 0 instead of -inf while nothing was readable: exp2 gives 0, never NaN.
+            const float use_lo = new_lo == neg_inf() ? 0.f : new_lo;
+            const float use_hi = new_hi == neg_inf() ? 0.f : new_hi;
+            const float corr_lo = fast_exp2(m_lo - use_lo), corr_hi = fast_exp2(m_hi - use_hi);
+            m_lo = new_lo;
+            m_hi = new_hi;
+            float p[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) p[e] = fast_exp2(s[e] - ((e & 2) ? use_hi : use_lo));
+            l_lo = l_lo * corr_lo + p[0] + p[1] + p[4] + p[5];
+            l_hi = l_hi * corr_hi + p[2] + p[3] + p[6] + p[7];
+            // P as the A fragment: rows r_lo / r_hi, tokens 2c.. (k 0-7) and 8 + 2c.. (k 8-15).
+            u32 pf[4];
+            pf[0] = MmaOp<M>::pack(p[0], p[1]);
+            pf[1] = MmaOp<M>::pack(p[2], p[3]);
+            pf[2] = MmaOp<M>::pack(p[4], p[5]);
+            pf[3] = MmaOp<M>::pack(p[6], p[7]);
+            cupa_u32x4 v[4][KvStep<C, D>::V_VECS];
+            cur.widen_v(v);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
+                acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
+                const int b = j >> 3, e = j & 7;
+                MmaOp<M>::run(acc[j], pf, pair_halves(v[0][b], v[1][b], e),
+                              pair_halves(v[2][b], v[3][b], e));
+            }
         }
-        // Scale, soft-cap, ALiBi, masks. Element i: row r_lo (i & 2 == 0) or r_hi, V token
-        // (i & 1) | (i & 4) >> 1.
-        float s[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int tok = (i & 1) | ((i & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
-            const int t = base + 2 * c + (i & 1) + (i & 4 ? 8 : 0);
-            const float raw = i < 4 ? s0[i] : s1[i - 4];
-            s[i] = ((i & 2) ? mask_hi : mask_lo).logit(raw, t, cur.v_valid[tok], qk_scale,
-                                                         soft_cap);
-        }
-        // Online softmax per row; the four lanes of a quad share a row.
-        float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
-        float mx_hi = max_f(max_f(s[2], s[3]), max_f(s[6], s[7]));
-        mx_lo = max_f(mx_lo, warp_xor(mx_lo, 1));
-        mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
-        mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
-        mx_hi = max_f(mx_hi, warp_xor(mx_hi, 2));
-        const float new_lo = max_f(m_lo, mx_lo), new_hi = max_f(m_hi, mx_hi);
-        // Subtract 0 instead of -inf while nothing was readable, so exp2 gives 0 and never NaN.
-        const float use_lo = new_lo == neg_inf() ? 0.f : new_lo;
-        const float use_hi = new_hi == neg_inf() ? 0.f : new_hi;
-        const float corr_lo = fast_exp2(m_lo - use_lo), corr_hi = fast_exp2(m_hi - use_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        float p[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) p[i] = fast_exp2(s[i] - ((i & 2) ? use_hi : use_lo));
-        l_lo = l_lo * corr_lo + p[0] + p[1] + p[4] + p[5];
-        l_hi = l_hi * corr_hi + p[2] + p[3] + p[6] + p[7];
-        // P as the A fragment: rows r_lo / r_hi, tokens 2c.. (k 0-7) and 8 + 2c.. (k 8-15).
-        u32 pf[4];
-        pf[0] = MmaOp<M>::pack(p[0], p[1]);
-        pf[1] = MmaOp<M>::pack(p[2], p[3]);
-        pf[2] = MmaOp<M>::pack(p[4], p[5]);
-        pf[3] = MmaOp<M>::pack(p[6], p[7]);
-        cupa_u32x4 v[4][KvStep<C, D>::V_VECS];
-        cur.widen_v(v);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
-            acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
-            const int b = j >> 3, e = j & 7;
-            MmaOp<M>::run(acc[j], pf, pair_halves(v[0][b], v[1][b], e),
-                          pair_halves(v[2][b], v[3][b], e));
-        }
-        cur = next;
-        blocks_next = blocks_after;
     }
+    kv.end();
 
     // Each warp leaves its rows' max, sum and unnormalised output for the merge.
+    float (*o_s)[TILE_ROWS][D] = reinterpret_cast<float (*)[TILE_ROWS][D]>(dynamic_shared);
     l_lo += warp_xor(l_lo, 1);
     l_lo += warp_xor(l_lo, 2);
     l_hi += warp_xor(l_hi, 1);
@@ -424,11 +547,11 @@ CUPA_FN void decode_partition_mma16(
 
 // ---- Up to 8 query rows: rows are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------------
 // Half the registers and mma work of the 16-row form when the rows fit in 8. K and V rows are
-// the A operands, loaded 16 bytes at a time with the same index permutations as above (for V the
-// permuted index is the head dim: m-tile i, row r <-> column (D/8)*(r%8) + (D/16)*(r/8) + i, so a
-// lane's rows of every m-tile are D/8 contiguous columns). P^T reaches the B layout of the PV
-// product through one movmatrix transpose per 8x8 tile. K and V of the next step are loaded
-// while the current one is computed.
+// the A operands, read 16 bytes at a time with the same index permutations as above (for V the
+// permuted index is the head dim: m-tile i, row g <-> column d(i), row g + 8 <-> d(MT + i) with
+// d(k) = 64 (k / 8) + 8 g + k % 8, so a lane's V elements are the 8g.. vectors KvStep reads for
+// the 16-row form too). P^T reaches the B layout of the PV product through one movmatrix
+// transpose per 8x8 tile. Each warp takes one 16-token step of every staged chunk.
 CUPA_FN u32 transpose8x8(u32 x) {
     u32 y;
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
@@ -439,15 +562,18 @@ template <typename T, typename C, int D>
 CUPA_FN void decode_partition_mma8(
     CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename MmaTypeOf<T, C>::type M;
+    typedef KvRing<C, D> R;
     constexpr int HT = 8;                   // rows per workgroup = mma N
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int STEP = 16;
     constexpr int QK_BLOCKS = D / 32;
     constexpr int MT = D / 16;              // m-tiles of the output (head-dim rows)
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
+    static_assert(R::CHUNK == NWARPS * STEP, "one step per warp and chunk");
 
-    __shared__ float o_s[NWARPS][HT][D];
+    extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
+    if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, HT>()) __trap();
 
     PartitionWork w;
     if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, query_start_loc, sinks, sliding_window,
@@ -457,6 +583,9 @@ CUPA_FN void decode_partition_mma8(
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
+    KvStream<C, D> kv;
+    kv.begin(reinterpret_cast<unsigned char*>(dynamic_shared), key_cache, value_cache, rows,
+             w.start, w.end);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
 
@@ -475,17 +604,11 @@ CUPA_FN void decode_partition_mma8(
     float m_e = neg_inf(), m_o = neg_inf();  // running max of rows 2c and 2c + 1
     float l_e = 0.f, l_o = 0.f;              // this lane's share of their sums
 
-    constexpr int STRIDE = NWARPS * STEP;
-    const int v_col0 = (D / 8) * g;  // a lane's V columns: D/8 contiguous ones
-    int base = w.start + warp * STEP;
-    KvStep<C, D> cur;
-    cur.load(key_cache, value_cache, rows, step_blocks(rows, base, g, c), base, g, c, v_col0, 8);
-    StepBlocks blocks_next = step_blocks(rows, base + STRIDE, g, c);
-    for (; base < w.end; base += STRIDE) {
-        const StepBlocks blocks_after = step_blocks(rows, base + 2 * STRIDE, g, c);
-        KvStep<C, D> next;
-        if (base + STRIDE < w.end)
-            next.load(key_cache, value_cache, rows, blocks_next, base + STRIDE, g, c, v_col0, 8);
+    for (int chunk = 0; chunk < kv.chunks; ++chunk) {
+        const unsigned char* stage = kv.stage(chunk);
+        const int base = w.start + chunk * R::CHUNK + warp * STEP;
+        KvStep<C, D> cur;
+        cur.load(stage, warp * STEP, g, c);
 
         // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), heads 2c, 2c+1.
         float st[4] = {0.f, 0.f, 0.f, 0.f};
@@ -528,7 +651,7 @@ CUPA_FN void decode_partition_mma8(
         for (int i = 0; i < MT; ++i) {
             acc[i][0] *= corr_e; acc[i][1] *= corr_o;
             acc[i][2] *= corr_e; acc[i][3] *= corr_o;
-            // Column i (row g) and D/16 + i (row g + 8) of this lane's D/8 columns.
+            // Head-dim rows d(i) (lane row g) and d(MT + i) (row g + 8); see above.
             const int lo = i, hi = MT + i;
             const u32 a[4] = {pair_halves(v[0][lo >> 3], v[1][lo >> 3], lo & 7),
                               pair_halves(v[0][hi >> 3], v[1][hi >> 3], hi & 7),
@@ -536,10 +659,10 @@ CUPA_FN void decode_partition_mma8(
                               pair_halves(v[2][hi >> 3], v[3][hi >> 3], hi & 7)};
             MmaOp<M>::run(acc[i], a, pb0, pb1);
         }
-        cur = next;
-        blocks_next = blocks_after;
     }
+    kv.end();
 
+    float (*o_s)[HT][D] = reinterpret_cast<float (*)[HT][D]>(dynamic_shared);
 #pragma unroll
     for (int mask = 4; mask < 32; mask <<= 1) {
         l_e += warp_xor(l_e, mask);
@@ -551,7 +674,8 @@ CUPA_FN void decode_partition_mma8(
     }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-        const int d_lo = (D / 8) * g + i, d_hi = d_lo + MT;
+        const int d_lo = 64 * (i >> 3) + 8 * g + (i & 7);
+        const int d_hi = 64 * ((MT + i) >> 3) + 8 * g + ((MT + i) & 7);
         o_s[warp][2 * c][d_lo] = acc[i][0];
         o_s[warp][2 * c + 1][d_lo] = acc[i][1];
         o_s[warp][2 * c][d_hi] = acc[i][2];
