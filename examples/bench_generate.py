@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
 """End-to-end generation throughput: cupa paged decode vs a naive attention path (GPU only).
 
-    python examples/bench_generate.py                      # default matrix, 8 of 32 layers
-    python examples/bench_generate.py --layers 32 --prompts 32 --output-lens 256
+    python examples/bench_generate.py                      # default matrix, all 32 layers
+    python examples/bench_generate.py --prompts 32 --output-lens 256 --attention paged
     python examples/bench_generate.py --json /tmp/bench.json
     python examples/bench_generate.py --kv-format fp8_e4m3   # fp8 KV cache (scales calibrated)
+    python examples/bench_generate.py --no-graphs            # paged decode launched eagerly
 
-The model is Llama-2-7B-shaped (hidden 4096, 32 heads, MHA, head 128, MLP 11008, vocab 32000)
-with random fp16 weights made on the GPU; by default only 8 of its 32 layers are built so the
-default matrix (8/16/32 prompts x 512 input tokens x 256/512 output tokens x 2 attention paths)
-finishes in a few minutes. The same engine runs both paths; only decode attention differs:
-  paged  cupa.decode over the block tables
-  naive  gather each sequence's blocks into dense arrays, then matmul, softmax, matmul
-It also reports the decode-step time at the largest prompt count against a roofline: bytes a step
-must read (weights + the KV of every sequence) over the copy bandwidth measured in this run.
+The model is Llama-2-7B-shaped (hidden 4096, 32 heads, MHA, head 128, MLP 11008, vocab 32000,
+32 layers; --layers builds fewer) with random fp16 weights made on the GPU. The default matrix is
+8/16/32 prompts x 512 input tokens x 256/512 output tokens x 2 attention paths. The same engine
+runs both paths; only decode attention differs:
+  paged  cupa.decode over the block tables; decode steps replay captured CUDA graphs (one per
+         batch bucket, captured before the clock starts) unless --no-graphs
+  naive  gather each sequence's blocks into dense arrays, then matmul, softmax, matmul; always
+         launched eagerly, since its array shapes change every step (no graph can replay it)
+Each row also shows the Hugging Face transformers reference for the same shape where there is
+one (HF_TOKENS_PER_S: the full 32-layer model, 512 input tokens) and the ratio to it. The
+decode-step time at the largest prompt count is compared with a roofline: bytes a step must read
+(weights + the KV of every sequence) over the copy bandwidth measured in this run.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ from cupa.arrays import gpu_available  # noqa: E402
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
                  num_heads=32, num_kv_heads=32, head_dim=128)
 
+# Output tokens/s of Hugging Face transformers' generate() on the full Llama-2-7B shape (fp16),
+# keyed by (prompts, input tokens, output tokens): the reference this benchmark is measured
+# against. Other shapes (or fewer layers) have none.
+HF_TOKENS_PER_S = {(8, 512, 256): 95.6, (16, 512, 256): 235.5, (32, 512, 256): 476.2,
+                   (32, 512, 512): 612.4}
+
 
 def int_list(text):
     return [int(x) for x in text.split(",") if x]
@@ -51,8 +62,16 @@ def parse_args(argv=None):
                    help="generated tokens per prompt, comma-separated (default 256,512)")
     p.add_argument("--attention", type=lambda s: s.split(","), default=["paged", "naive"],
                    help="paths to run: paged,naive (default both)")
-    p.add_argument("--layers", type=int, default=8,
-                   help="decoder layers to build, of Llama-2-7B's 32 (default 8, for time)")
+    p.add_argument("--naive-prompts", type=int_list, default=None,
+                   help="prompt counts of the naive path, comma-separated (default: the same as "
+                        "--prompts)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="paged path: replay decode steps from captured CUDA graphs (default; "
+                        "--no-graphs launches every kernel from Python). The naive path is "
+                        "always eager")
+    p.add_argument("--layers", type=int, default=32,
+                   help="decoder layers to build, of Llama-2-7B's 32 (default 32; fewer run "
+                        "faster but have no Hugging Face reference)")
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
     p.add_argument("--kv-format", default="none",
                    choices=("none", "fp8_e4m3", "fp8_e4m3fnuz", "auto"),
@@ -64,6 +83,10 @@ def parse_args(argv=None):
     bad = set(args.attention) - {"paged", "naive"}
     if bad:
         p.error(f"--attention: unknown {sorted(bad)}; choose from paged,naive")
+    if args.naive_prompts is None:
+        args.naive_prompts = args.prompts
+    if not 1 <= args.layers <= 32:
+        p.error("--layers must be from 1 to 32")
     return args
 
 
@@ -84,7 +107,7 @@ def copy_bandwidth(cupy, nbytes=2 << 30, repeats=10) -> float:
 
 
 def run_one(model, cupy, *, prompts, input_len, output_len, attention, block_size, seed,
-            kv_format=None):
+            kv_format=None, graphs=True):
     from llm.engine import Engine
     from llm.runtime import calibrate_kv_scales, make_cache
     from llm.sampling import SamplingParams
@@ -97,7 +120,12 @@ def run_one(model, cupy, *, prompts, input_len, output_len, attention, block_siz
                           calibrate_kv_scales(model, prompt_ids, kv_format)))
     blocks = prompts * (math.ceil((input_len + output_len) / block_size) + 1)
     cache = make_cache(model, blocks, block_size, "gpu", kv_format=kv_format, **scales)
-    engine = Engine(model, cache, attention=attention, backend="gpu", max_batch=prompts)
+    graphs = graphs and attention == "paged"
+    engine = Engine(model, cache, attention=attention, backend="gpu", max_batch=prompts,
+                    graphs=graphs)
+    # Every sequence decodes until the end together, so one graph serves the whole run; it is
+    # captured here, as a serving engine would at start-up, not on the clock.
+    engine.prepare_graphs([prompts])
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     for ids in prompt_ids:
         engine.add_request(ids, params)
@@ -109,13 +137,20 @@ def run_one(model, cupy, *, prompts, input_len, output_len, attention, block_siz
     s = engine.stats
     del engine, cache
     cupy.get_default_memory_pool().free_all_blocks()
+    rate = s.generated_tokens / elapsed
+    hf = HF_TOKENS_PER_S.get((prompts, input_len, output_len)) \
+        if model.config.num_layers == 32 else None
     return {"prompts": prompts, "input_len": input_len, "output_len": output_len,
-            "attention": attention, "kv_format": kv_format or "float16", "seconds": elapsed,
-            "output_tokens_per_s": s.generated_tokens / elapsed,
+            "attention": attention, "graphs": graphs, "kv_format": kv_format or "float16",
+            "seconds": elapsed, "output_tokens_per_s": rate,
             "prefill_seconds": s.prefill_time, "decode_steps": s.decode_steps,
             "decode_step_ms": 1e3 * s.decode_time / max(s.decode_steps, 1),
             "decode_tokens_per_s": s.decode_tokens / s.decode_time if s.decode_time else 0.0,
-            "preemptions": s.preemptions}
+            "graph_steps": s.graph_steps, "capture_seconds": s.capture_time,
+            "graph_device_step_ms": (1e3 * s.graph_device_time / s.graph_steps
+                                     if s.graph_steps else None),
+            "preemptions": s.preemptions, "hf_tokens_per_s": hf,
+            "vs_hf": rate / hf if hf else None}
 
 
 def roofline(model, run, bandwidth):
@@ -131,7 +166,12 @@ def roofline(model, run, bandwidth):
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "avg_context": context,
             "roofline_step_ms": 1e3 * seconds,
             "measured_step_ms": run["decode_step_ms"],
-            "fraction_of_roofline": 1e3 * seconds / run["decode_step_ms"]}
+            "fraction_of_roofline": 1e3 * seconds / run["decode_step_ms"],
+            "times_roofline": run["decode_step_ms"] / (1e3 * seconds)}
+
+
+def run_label(r) -> str:
+    return f"{r['attention']}" + (" (graphs)" if r["graphs"] else " (eager)")
 
 
 def main(argv=None) -> int:
@@ -156,63 +196,77 @@ def main(argv=None) -> int:
             if args.layers != 32 else "Llama-2-7B shape, all 32 layers (random fp16 weights)")
     note += f", {kv_format or 'float16'} KV cache"
     print(f"{device}: {note}", file=sys.stderr)
+    if "naive" in args.attention:
+        print("the naive path runs eagerly (its shapes change every step; no CUDA graph)",
+              file=sys.stderr)
     weights = random_weights(config, cupy, np.float16, seed=args.seed)
     model = Model(config, weights, cupy, np.float16)
     bandwidth = copy_bandwidth(cupy)
     print(f"weights {weights.nbytes() / 2**30:.2f} GiB; device copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s (read + write)", file=sys.stderr)
+          f"{bandwidth / 1e9:.0f} GB/s (read + write); fused elementwise kernels "
+          f"{'on' if model.fused else 'OFF (see the warning above)'}", file=sys.stderr)
 
     for attention in args.attention:  # compile kernels and warm cupy's caches off the clock
         run_one(model, cupy, prompts=2, input_len=32, output_len=4, attention=attention,
-                block_size=args.block_size, seed=args.seed, kv_format=kv_format)
+                block_size=args.block_size, seed=args.seed, kv_format=kv_format,
+                graphs=args.graphs)
 
+    runs = [(n, o, a) for o in args.output_lens for n in args.prompts for a in args.attention
+            if a == "paged" or n in args.naive_prompts]
     results = []
-    shapes = [(n, o) for o in args.output_lens for n in args.prompts]
-    total = len(shapes) * len(args.attention)
-    for n, out_len in shapes:
-        for attention in args.attention:
-            r = run_one(model, cupy, prompts=n, input_len=args.input_len, output_len=out_len,
-                        attention=attention, block_size=args.block_size, seed=args.seed,
-                        kv_format=kv_format)
-            results.append(r)
-            print(f"[{len(results)}/{total}] {n} prompts x {args.input_len} in x {out_len} out, "
-                  f"{attention}: {r['output_tokens_per_s']:.0f} output tok/s, decode step "
-                  f"{r['decode_step_ms']:.2f} ms ({r['seconds']:.1f} s)", file=sys.stderr)
+    for n, out_len, attention in runs:
+        r = run_one(model, cupy, prompts=n, input_len=args.input_len, output_len=out_len,
+                    attention=attention, block_size=args.block_size, seed=args.seed,
+                    kv_format=kv_format, graphs=args.graphs)
+        results.append(r)
+        hf = f", {r['vs_hf']:.1f}x HF" if r["vs_hf"] else ""
+        graph = (f" (GPU {r['graph_device_step_ms']:.2f} ms; graph captured in "
+                 f"{r['capture_seconds']:.2f} s, off the clock)" if r["graph_steps"] else "")
+        print(f"[{len(results)}/{len(runs)}] {n} prompts x {args.input_len} in x {out_len} out, "
+              f"{run_label(r)}: {r['output_tokens_per_s']:.0f} output tok/s{hf} in "
+              f"{r['seconds']:.1f} s, decode step {r['decode_step_ms']:.2f} ms{graph}",
+              file=sys.stderr)
 
     print(f"\n{note}, {device}, block size {args.block_size}\n")
     print("| prompts | input | output | attention | output tok/s | decode step ms | "
-          "speedup vs naive |")
-    print("|---:|---:|---:|---|---:|---:|---:|")
+          "speedup vs naive | HF tok/s | vs HF |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     by_key = {(r["prompts"], r["output_len"], r["attention"]): r for r in results}
     for r in results:
         naive = by_key.get((r["prompts"], r["output_len"], "naive"))
         speedup = (f"{r['output_tokens_per_s'] / naive['output_tokens_per_s']:.2f}x"
                    if naive and r["attention"] == "paged" else "")
-        print(f"| {r['prompts']} | {r['input_len']} | {r['output_len']} | {r['attention']} | "
-              f"{r['output_tokens_per_s']:.0f} | {r['decode_step_ms']:.2f} | {speedup} |")
+        hf = (f"{r['hf_tokens_per_s']:.1f} | {r['vs_hf']:.2f}x" if r["hf_tokens_per_s"]
+              else " | ")
+        print(f"| {r['prompts']} | {r['input_len']} | {r['output_len']} | {run_label(r)} | "
+              f"{r['output_tokens_per_s']:.0f} | {r['decode_step_ms']:.2f} | {speedup} | {hf} |")
 
     biggest = max(args.prompts)
     roof = []
     for r in results:
         if r["prompts"] == biggest and r["output_len"] == max(args.output_lens):
             roof.append(dict(roofline(model, r, bandwidth), attention=r["attention"],
-                             prompts=biggest, output_len=r["output_len"]))
+                             graphs=r["graphs"], prompts=biggest, output_len=r["output_len"],
+                             graph_device_step_ms=r["graph_device_step_ms"]))
     if roof:
         print(f"\nDecode step at {biggest} prompts vs roofline (weights + KV read per step at "
               f"the average context, over {bandwidth / 1e9:.0f} GB/s measured copy bandwidth):\n")
         print("| attention | avg context | weights GiB | KV GiB | roofline ms | measured ms | "
-              "fraction |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+              "x roofline | GPU ms of a graph replay |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for x in roof:
-            print(f"| {x['attention']} | {x['avg_context']:.0f} | {x['weight_bytes'] / 2**30:.2f} "
+            gpu = x["graph_device_step_ms"]
+            print(f"| {run_label(x)} | {x['avg_context']:.0f} | {x['weight_bytes'] / 2**30:.2f} "
                   f"| {x['kv_bytes'] / 2**30:.2f} | {x['roofline_step_ms']:.2f} | "
-                  f"{x['measured_step_ms']:.2f} | {x['fraction_of_roofline']:.0%} |")
+                  f"{x['measured_step_ms']:.2f} | {x['times_roofline']:.2f}x | "
+                  f"{'' if gpu is None else f'{gpu:.2f}'} |")
 
     if args.json:
         Path(args.json).write_text(json.dumps({
             "device": device, "model": note, "layers": args.layers, "kv_format": kv_format,
-            "block_size": args.block_size, "copy_bandwidth_bytes_per_s": bandwidth,
-            "results": results, "roofline": roof}, indent=2))
+            "block_size": args.block_size, "graphs": args.graphs,
+            "copy_bandwidth_bytes_per_s": bandwidth, "results": results, "roofline": roof},
+            indent=2))
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
 

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                    help="GPU compute dtype (default: the checkpoint's); numpy always uses float32")
     p.add_argument("--max-batch", type=int, default=256, help="most sequences decoded at once")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="launch every decode step's kernels from Python instead of replaying "
+                        "captured CUDA graphs (graphs are the default on a CUDA GPU; the numpy "
+                        "backend never uses them)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt on stdout (streaming goes to stderr)")
     p.add_argument("--quiet", action="store_true", help="no streaming output")
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
         parser.error("give at least one --prompt or --prompt-ids")
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    if args.max_batch < 1:
+        parser.error("--max-batch must be >= 1")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
     try:
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
     if streamer is not None and len(prompts) == 1 and tokenizer is not None:
         log.write(tokenizer.decode(prompts[0]))
     engine = Engine(model, cache, eos_ids=cfg.eos_token_ids, max_batch=args.max_batch,
-                    on_token=streamer, backend=backend)
+                    on_token=streamer, backend=backend, graphs=False if args.no_graphs else None)
     start = time.perf_counter()
     seqs = [engine.add_request(p, params, seed=args.seed) for p in prompts]
     engine.run()
@@ -221,9 +227,11 @@ def main(argv=None) -> int:
     s = engine.stats
     rate = s.generated_tokens / elapsed if elapsed > 0 else float("inf")
     decode_rate = s.decode_tokens / s.decode_time if s.decode_time > 0 else float("nan")
+    graphs = (f", {s.graph_steps} from CUDA graphs ({s.graph_captures} captured in "
+              f"{s.capture_time:.2f} s)" if s.graph_captures else "")
     print(f"generated {s.generated_tokens} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s "
           f"(prefill {s.prefill_tokens} tokens in {s.prefill_time:.2f} s; decode {s.decode_steps} "
-          f"steps, {decode_rate:.1f} tokens/s; {s.preemptions} preemptions)", file=log)
+          f"steps{graphs}, {decode_rate:.1f} tokens/s; {s.preemptions} preemptions)", file=log)
     return 0
 
 

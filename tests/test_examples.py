@@ -433,3 +433,184 @@ def test_text_stream_handles_multibyte_characters(models):
         pieces.append(stream.push(ids[:i]))
     assert "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+# --- CUDA-graph bookkeeping (the GPU replay itself is tested in test_gpu_examples.py) -----------
+
+from llm.graphs import (StepLayout, StepRows, batch_buckets, bucket_for,  # noqa: E402
+                        graph_blocker, resolve_graphs, table_width)
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(33) == (1, 2, 4, 8, 16, 24, 32, 33)  # the last bucket is max_batch
+    big = batch_buckets(256)
+    assert big[:9] == (1, 2, 4, 8, 16, 24, 32, 48, 64) and big[-3:] == (192, 224, 256)
+    assert list(big) == sorted(set(big))
+    assert batch_buckets(300)[-2:] == (256, 300)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_batch"):
+            batch_buckets(bad)
+
+
+def test_bucket_for_picks_the_smallest_that_fits():
+    buckets = batch_buckets(48)
+    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 8, 9, 17, 33, 48)] == \
+        [1, 2, 4, 8, 8, 16, 24, 48, 48]
+    for bad in (0, 49):
+        with pytest.raises(ValueError, match="largest graph bucket"):
+            bucket_for(bad, buckets)
+
+
+def test_table_width_covers_the_longest_sequence_within_the_cache():
+    assert table_width(4096, 16, 10_000) == 256
+    assert table_width(4097, 16, 10_000) == 257
+    assert table_width(131072, 16, 100) == 100  # a sequence cannot hold more blocks than exist
+    assert table_width(5, 16, 3) == 1
+
+
+def test_graphs_option_resolution():
+    assert graph_blocker(True, "paged", False) is None
+    assert "numpy" in graph_blocker(False, "paged", False)
+    assert "'naive'" in graph_blocker(True, "naive", False)
+    assert "HIP" in graph_blocker(True, "paged", True)
+    assert resolve_graphs(None, None) is True
+    assert resolve_graphs(None, "why") is False
+    assert resolve_graphs(False, "why") is False and resolve_graphs(True, None) is True
+    with pytest.raises(ValueError, match="graphs=True: why"):
+        resolve_graphs(True, "why")
+    with pytest.raises(ValueError, match="True, False or None"):
+        resolve_graphs("yes", None)
+
+
+def test_engine_graphs_argument_on_numpy(models):
+    model, _ = load_model(models["llama"]["path"], backend="numpy", progress=False)
+    cache = make_cache(model, 8, 16, "numpy")
+    assert Engine(model, cache).use_graphs is False  # default: only where possible
+    assert Engine(model, cache, graphs=False).use_graphs is False
+    for attention in ("paged", "naive"):
+        with pytest.raises(ValueError, match="graphs=True: CUDA graphs need the GPU backend"):
+            Engine(model, cache, attention=attention, graphs=True)
+    with pytest.raises(ValueError, match="graphs"):
+        Engine(model, cache, graphs=1)
+
+
+def test_step_rows_pack_rows_then_padding(models):
+    # A numpy cache holds the real tables; packing must reproduce cache.tables() row by row and
+    # pad the rest of the bucket: slot -1 (not written), length 0 (zero attention), token 0.
+    model, _ = load_model(models["llama"]["path"], backend="numpy", progress=False)
+    cache = make_cache(model, 32, 8, "numpy")
+    engine = Engine(model, cache, graphs=False)
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=4)) for p in PROMPTS[:3]]
+    engine.step()  # prefill: every sequence has one output token and its prompt cached
+    slots = cache.extend([s.seq_id for s in seqs], 1)
+    rows = StepRows.gather(seqs, slots, cache)
+    assert rows.token_ids == [s.output_ids[-1] for s in seqs] == [s.last_token for s in seqs]
+    assert rows.positions == [s.num_tokens - 1 for s in seqs]
+
+    width = table_width(model.config.max_seq_len, cache.block_size, cache.num_blocks)
+    layout = StepLayout(max_batch=8, width=width)
+    buffer = np.full(layout.nbytes, 0x55, dtype=np.uint8)
+    arrays = layout.views(buffer, 4)
+    rows.pack_into(arrays)
+    tables, lens = cache.tables([s.seq_id for s in seqs], max_blocks=width)
+    np.testing.assert_array_equal(arrays.block_tables[:3], tables)
+    np.testing.assert_array_equal(arrays.seq_lens[:3], lens)
+    np.testing.assert_array_equal(arrays.slots[:3], slots)
+    assert (arrays.token_ids[3], arrays.positions[3], arrays.slots[3], arrays.seq_lens[3]) == \
+        (0, 0, -1, 0)
+    assert (arrays.block_tables[3] == -1).all()
+    # A bucket's arrays are the leading rows of the largest bucket's, and the upload covers them.
+    wider = layout.views(buffer, 8)
+    np.testing.assert_array_equal(wider.block_tables[:4], arrays.block_tables)
+    np.testing.assert_array_equal(wider.slots[:4], arrays.slots)
+    end = arrays.block_tables.ctypes.data + arrays.block_tables.nbytes - buffer.ctypes.data
+    assert end == layout.upload_bytes(4) <= layout.nbytes
+    assert all(a.dtype == np.int64 for a in (arrays.token_ids, arrays.positions, arrays.slots))
+    assert arrays.seq_lens.dtype == arrays.block_tables.dtype == np.int32
+    assert arrays.block_tables.flags.c_contiguous
+
+    with pytest.raises(ValueError, match="do not fit"):
+        rows.pack_into(layout.views(buffer, 2))
+    narrow = StepLayout(max_batch=8, width=1)
+    with pytest.raises(ValueError, match="table width 1"):
+        StepRows([1], [20], np.array([3]), [21], [np.array([0, 1, 2], np.int32)]).pack_into(
+            narrow.views(np.zeros(narrow.nbytes, np.uint8), 1))
+
+
+def test_cli_no_graphs_is_accepted_on_numpy(models, expected):
+    args = ["--model", str(models["llama"]["path"]), "--backend", "numpy", "--max-new-tokens",
+            str(MAX_NEW), "--ignore-eos", "--json", "--no-graphs", "--prompt-ids",
+            ",".join(map(str, PROMPTS[0]))]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["output_ids"] == expected["llama"][0]
+
+
+def test_prefill_groups_batch_consecutive_equal_lengths():
+    from llm.engine import prefill_groups
+    assert prefill_groups([4, 4, 4, 2, 4], num_heads=2) == [(0, 3, 4), (12, 1, 2), (14, 1, 4)]
+    # A group's scores (heads x length^2 each) stay within the budget; one prompt always goes.
+    assert prefill_groups([4] * 5, num_heads=2, budget=2 * 16 * 2) == [(0, 2, 4), (8, 2, 4),
+                                                                        (16, 1, 4)]
+    assert prefill_groups([100], num_heads=8, budget=10) == [(0, 1, 100)]
+    assert prefill_groups([], num_heads=8) == []
+
+
+def test_batched_causal_attention_equals_one_sequence_at_a_time():
+    from llm.model import causal_attention
+    rng = np.random.default_rng(0)
+    length, heads, kv_heads, dim = 6, 4, 2, 8
+    q = rng.standard_normal((3 * length, heads, dim), dtype=np.float32)
+    k, v = (rng.standard_normal((3 * length, kv_heads, dim), dtype=np.float32) for _ in range(2))
+    batched = causal_attention(np, q, k, v, 0.3, num_seqs=3)
+    for s in range(3):
+        rows = slice(s * length, (s + 1) * length)
+        np.testing.assert_allclose(batched[rows], causal_attention(np, q[rows], k[rows], v[rows],
+                                                                   0.3), rtol=1e-6, atol=1e-7)
+
+
+class _ReservingAheadEngine(Engine):
+    """An eager engine that reserves the next step's slots the way graph steps do (between the
+    forward and sampling, while the GPU would be busy), so the CPU can check that doing so
+    changes nothing."""
+
+    decoding = False
+
+    def _decode_eager(self, seqs, slots):
+        self.decoding = True
+        try:
+            super()._decode_eager(seqs, slots)
+        finally:
+            self.decoding = False
+
+    def _sample_and_append(self, seqs, logits, argmax=None):
+        if self.decoding:
+            self._reserve_ahead(seqs)
+        super()._sample_and_append(seqs, logits, argmax)
+
+
+@pytest.mark.parametrize("case", ["staggered", "preemption", "eos"])
+def test_reserving_decode_slots_ahead_changes_nothing(models, expected, case):
+    path = models["llama"]["path"]
+    prompts, lengths, blocks, kwargs = {
+        "staggered": (PROMPTS, [3, 12, 7, 20, 10], (64, 16), {}),
+        "preemption": ([[1] + [(7 * i + j) % 300 + 3 for j in range(7)] for i in range(4)],
+                       [16, 12, 16, 6], (8, 8), {}),
+        "eos": (PROMPTS, [MAX_NEW] * 5, (9, 8), {"eos_ids": [expected["llama"][2][4]]}),
+    }[case]
+    runs = []
+    for engine_type in (Engine, _ReservingAheadEngine):
+        model, _ = load_model(path, backend="numpy", progress=False)
+        cache = make_cache(model, *blocks, "numpy")
+        engine = engine_type(model, cache, **kwargs)
+        seqs = [engine.add_request(p, SamplingParams(max_new_tokens=n,
+                                                     ignore_eos="eos_ids" not in kwargs))
+                for p, n in zip(prompts, lengths)]
+        engine.run()
+        runs.append(([s.output_ids for s in seqs], [s.finish_reason for s in seqs],
+                     engine.stats.preemptions, engine.stats.decode_steps,
+                     cache.num_free_blocks))
+    assert runs[0] == runs[1]
+    assert runs[0][4] == blocks[0]

@@ -10,12 +10,16 @@ sequence (prefill first, so the batch refills as soon as blocks free up):
 Preemption recomputes: a preempted sequence keeps its generated ids and is prefilled again over
 prompt + output when readmitted, which reproduces the same cache contents (with an fp8 cache only
 nearly: the recompute attends over unquantised K/V where the decode steps read fp8 codes).
+
+On a CUDA GPU with paged attention, decode steps replay captured CUDA graphs (graphs.py), one per
+batch-size bucket; prefill, with its varying shapes, always runs eagerly.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,7 +27,9 @@ import numpy as np
 
 import cupa
 
-from .model import Model, causal_attention
+from .graphs import (DecodeGraphs, StepRows, bucket_for, graph_blocker, paged_decode_formats,
+                     resolve_graphs)
+from .model import Model
 from .sampling import SamplingParams, sample, sequence_rng
 
 from cupa import OutOfBlocksError
@@ -48,6 +54,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def last_token(self) -> int:
+        """The newest token (the next decode step's input), without building token_ids."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -61,6 +72,10 @@ class EngineStats:
     decode_time: float = 0.0
     preemptions: int = 0
     generated_tokens: int = 0   # every sampled token, prefill's first ones included
+    graph_steps: int = 0        # decode steps replayed from a CUDA graph
+    graph_captures: int = 0     # graphs captured (one per batch bucket used)
+    capture_time: float = 0.0   # seconds spent capturing (not counted in decode_time)
+    graph_device_time: float = 0.0  # GPU seconds of the graph replays (decode_time: wall)
 
 
 class Engine:
@@ -70,13 +85,22 @@ class Engine:
     sequence's KV into dense arrays and does matmul / softmax / matmul (the benchmark baseline).
     An fp8 cache (cache.kv_format set) stores codes and scales; both paths read it through them.
     on_token(seq, token_id) is called for every generated token (streaming).
-    on_logits(seqs, logits) sees the float32 logits of every step before sampling (tests).
+    on_logits(seqs, logits) sees the float32 logits of every step before sampling (tests); one
+    row per sequence in `seqs`, valid during the call (graph steps reuse the buffer).
+    graphs: replay decode steps from captured CUDA graphs. None (default) = wherever possible
+    (CUDA GPU, paged attention); True = required (ValueError where impossible); False = eager.
     """
 
     def __init__(self, model: Model, cache, *, eos_ids=(), attention="paged", max_batch=256,
-                 max_prefill_tokens=8192, on_token=None, on_logits=None, backend=None):
+                 max_prefill_tokens=8192, on_token=None, on_logits=None, backend=None,
+                 graphs: bool | None = None):
         if attention not in ("paged", "naive"):
             raise ValueError(f"attention must be 'paged' or 'naive', got {attention!r}")
+        self.use_graphs = resolve_graphs(graphs, graph_blocker(
+            on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention,
+            hip=model.xp is not np and _is_hip(model.xp)))
+        self._graphs_required = graphs is True
+        self._graphs = None  # DecodeGraphs, made at the first graph step
         self.model, self.cache, self.xp = model, cache, model.xp
         self.eos_ids = set(int(e) for e in eos_ids)
         self.attention = attention
@@ -89,6 +113,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.stats = EngineStats()
         self._next_id = 0
+        self._ahead: dict = {}  # seq_id -> cache slot of its next decode step, reserved ahead
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -115,6 +140,15 @@ class Engine:
         seqs = [self.add_request(p, params, seed=seed) for p in prompts]
         self.run()
         return seqs
+
+    def prepare_graphs(self, batch_sizes) -> None:
+        """Capture the decode graphs that steps of these batch sizes will use now, rather than
+        at their first step (e.g. before timing). A no-op when graphs are off."""
+        if not self.use_graphs:
+            return
+        for size in batch_sizes:
+            if self._graphs_for(size) is None:
+                return
 
     # -- scheduling ------------------------------------------------------------------------------
 
@@ -154,10 +188,16 @@ class Engine:
         return admitted
 
     def _reserve_decode_slots(self):
-        """One slot per running sequence; preempts the newest sequences while blocks run out."""
+        """One slot per running sequence; preempts the newest sequences while blocks run out.
+        Slots reserved ahead during the previous graph step (_reserve_ahead) are used as they
+        are; only the other sequences are extended."""
+        ahead, self._ahead = self._ahead, {}
         while True:
+            missing = [s.seq_id for s in self.running if s.seq_id not in ahead]
             try:
-                return self.cache.extend([s.seq_id for s in self.running], 1)
+                fresh = dict(zip(missing, self.cache.extend(missing, 1))) if missing else {}
+                return np.array([ahead[s.seq_id] if s.seq_id in ahead else fresh[s.seq_id]
+                                 for s in self.running], dtype=np.int64)
             except OutOfBlocksError:
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the cache cannot hold a longer sequence.
@@ -182,14 +222,17 @@ class Engine:
         tokens = xp.asarray(np.concatenate([seq.token_ids for seq in seqs]).astype(np.int64))
         positions = xp.asarray(np.concatenate([np.arange(n) for n in lengths]))
         kv_dtype = model.dtype
+        groups = prefill_groups(lengths, model.config.num_heads)
 
         def attend(layer, q, k, v):
             # cache.write quantises when the cache is fp8; the prompt's own attention below uses
             # the unquantised K/V (as fp8 engines do), only later decode steps read the codes.
-            self.cache.write(layer, slots, k.astype(kv_dtype), v.astype(kv_dtype))
+            self.cache.write(layer, slots, k.astype(kv_dtype, copy=False),
+                             v.astype(kv_dtype, copy=False))
             out = xp.empty(q.shape, dtype=np.float32)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                out[a:b] = causal_attention(xp, q[a:b], k[a:b], v[a:b], model.scale)
+            for first, count, length in groups:
+                rows = slice(first, first + count * length)
+                out[rows] = model.causal_attention(q[rows], k[rows], v[rows], num_seqs=count)
             return out
 
         logits = model.forward(tokens, positions, attend, last_rows=xp.asarray(bounds[1:] - 1))
@@ -199,51 +242,118 @@ class Engine:
         self.stats.prefill_time += time.perf_counter() - start
 
     def _decode(self) -> None:
-        xp, model = self.xp, self.model
-        start = time.perf_counter()
+        start, captured = time.perf_counter(), self.stats.capture_time
         slots = self._reserve_decode_slots()
         if slots is None:
             return
-        slots = xp.asarray(slots)
         seqs = list(self.running)
+        if self.use_graphs:
+            self._decode_graph(seqs, slots)
+        else:
+            self._decode_eager(seqs, slots)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        # A first step of a bucket also captured its graph: that time is capture_time's.
+        self.stats.decode_time += (time.perf_counter() - start
+                                   - (self.stats.capture_time - captured))
+
+    def _decode_eager(self, seqs, slots) -> None:
+        xp, model = self.xp, self.model
+        slots = xp.asarray(slots)
         ids = [s.seq_id for s in seqs]
-        tokens = xp.asarray(np.array([s.token_ids[-1] for s in seqs], dtype=np.int64))
+        tokens = xp.asarray(np.array([s.last_token for s in seqs], dtype=np.int64))
         positions = xp.asarray(np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64))
         # Tables are built and uploaded once per step, then every layer's cupa.decode uses them
         # (cache.decode(layer, ...) would rebuild them per layer).
         block_tables, seq_lens = self.cache.tables(ids)
         max_len = max(s.num_tokens for s in seqs)  # = seq_len after extend; no device read
-        kv_dtype = query_dtype = model.dtype
-        fp8 = {}
-        if self.cache.kv_format:  # uint8 codes: cupa.decode needs the format and scales
-            fp8 = dict(kv_format=self.cache.kv_format, k_scale=self.cache.k_scale,
-                       v_scale=self.cache.v_scale)
-            if query_dtype == np.float32:  # fp8 decode takes float16 / bfloat16 queries only
-                query_dtype = np.dtype(np.float16)
+        kv_dtype, query_dtype, fp8 = paged_decode_formats(model, self.cache)
 
         def attend(layer, q, k, v):
-            self.cache.write(layer, slots, k.astype(kv_dtype), v.astype(kv_dtype))
+            self.cache.write(layer, slots, k.astype(kv_dtype, copy=False),
+                             v.astype(kv_dtype, copy=False))
             key_cache, value_cache = self.cache.key_cache(layer), self.cache.value_cache(layer)
             if self.attention == "naive":
                 return naive_decode_attention(xp, q, key_cache, value_cache, block_tables,
                                               seq_lens, max_len, model.scale, **fp8)
-            out = cupa.decode(q.astype(query_dtype), key_cache, value_cache, block_tables,
-                              seq_lens, scale=model.scale, max_seq_len=max_len,
-                              backend=self.backend, **fp8)
-            return out.astype(np.float32)
+            # The output stays in the query dtype: the output projection casts it to the weight
+            # dtype anyway (a float16 -> float32 -> float16 round trip would be exact, and two
+            # more kernels).
+            return cupa.decode(xp.ascontiguousarray(q.astype(query_dtype, copy=False)),
+                               key_cache, value_cache, block_tables, seq_lens, scale=model.scale,
+                               max_seq_len=max_len, backend=self.backend, **fp8)
 
         logits = model.forward(tokens, positions, attend)
         self._sample_and_append(seqs, logits)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(seqs)
-        self.stats.decode_time += time.perf_counter() - start
 
-    def _sample_and_append(self, seqs, logits) -> None:
+    def _decode_graph(self, seqs, slots) -> None:
+        """One decode step replayed from the graph of its batch bucket."""
+        runner = self._graphs_for(len(seqs))
+        if runner is None:  # graphs were only wanted where possible, and are not possible
+            self._decode_eager(seqs, slots)
+            return
+        logits, argmax = runner.run(StepRows.gather(seqs, slots, self.cache))
+        self._reserve_ahead(seqs)  # host work while the GPU replays the step
+        with runner.stream:  # the reads below (and on_logits) queue after the replay
+            self._sample_and_append(seqs, logits, argmax)
+        self.stats.graph_steps += 1
+        self.stats.graph_device_time += runner.last_replay_seconds()
+
+    def _reserve_ahead(self, seqs) -> None:
+        """Reserve the next decode step's cache slots now, while the GPU is busy, for the
+        sequences that will still run whatever token they get (a sequence that then stops at
+        EOS releases its slot with its other blocks). cache.extend is most of a step's host
+        time, so this takes it off the critical path. Only when nothing waits for admission
+        (which would otherwise see those blocks taken a step early) and when the blocks suffice
+        (else the next step reserves, and preempts, as it always does): the engine's scheduling
+        is unchanged."""
+        if self.waiting:
+            return
+        max_len = self.model.config.max_seq_len
+        going_on = [s.seq_id for s in seqs if not s.finished
+                    and len(s.output_ids) + 1 < s.params.max_new_tokens
+                    and s.num_tokens + 1 < max_len]
+        try:
+            slots = self.cache.extend(going_on, 1) if going_on else []
+        except OutOfBlocksError:
+            return
+        self._ahead = dict(zip(going_on, slots))
+
+    def _graphs_for(self, batch: int) -> DecodeGraphs | None:
+        """The graph runner with the bucket of `batch` captured. If that fails (say, this
+        cupy's cuBLAS cannot be reached), graphs=True raises; the default (None) warns once and
+        turns graphs off, so the step and the ones after it run eagerly."""
+        try:
+            if self._graphs is None:
+                self._graphs = DecodeGraphs(self.model, self.cache, max_batch=self.max_batch)
+            self._capture(self._graphs, bucket_for(batch, self._graphs.buckets))
+            return self._graphs
+        except Exception as e:
+            if self._graphs_required:
+                raise
+            warnings.warn(f"CUDA graphs turned off, decoding eagerly ({type(e).__name__}: {e})",
+                          RuntimeWarning)
+            self.use_graphs, self._graphs = False, None
+            return None
+
+    def _capture(self, runner: DecodeGraphs, bucket: int) -> None:
+        """Capture a bucket's graph if it is new, counting it in the stats."""
+        if bucket in runner.steps:
+            return
+        before = runner.capture_seconds
+        runner.capture(bucket)
+        self.stats.graph_captures += 1
+        self.stats.capture_time += runner.capture_seconds - before
+
+    def _sample_and_append(self, seqs, logits, argmax=None) -> None:
+        """argmax: the rows' argmax when already computed (graph steps)."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
         if all(s.params.greedy for s in seqs):
             # Only the ids cross to the host (the sync also makes step timings honest).
-            chosen = _to_host(self.xp.argmax(logits, axis=-1)).tolist()
+            if argmax is None:
+                argmax = self.xp.argmax(logits, axis=-1)
+            chosen = _to_host(argmax).tolist()
         else:
             host = _to_host(logits)
             chosen = [sample(host[i], s.params, s.rng) for i, s in enumerate(seqs)]
@@ -266,6 +376,28 @@ class Engine:
             self.cache.free(seq.seq_id)
         if self.on_token is not None and reason == "cache_too_small":
             self.on_token(seq, None)
+
+
+# Most float32 attention scores (heads x length^2 per sequence) one batched prefill attention
+# may hold: 128 Mi elements, 512 MiB.
+PREFILL_SCORES_BUDGET = 1 << 27
+
+
+def prefill_groups(lengths, num_heads: int, budget: int = PREFILL_SCORES_BUDGET):
+    """(first row, sequences, length) for prefill attention: consecutive prompts of one length
+    go together (one batched attention instead of one per prompt: far fewer kernel launches),
+    as many as keep their scores within `budget` elements."""
+    groups, row, i = [], 0, 0
+    while i < len(lengths):
+        length = lengths[i]
+        most = max(1, budget // (num_heads * length * length))
+        count = 1
+        while i + count < len(lengths) and lengths[i + count] == length and count < most:
+            count += 1
+        groups.append((row, count, length))
+        row += count * length
+        i += count
+    return groups
 
 
 def naive_decode_attention(xp, q, key_cache, value_cache, block_tables, seq_lens, max_len, scale,
@@ -294,6 +426,10 @@ def naive_decode_attention(xp, q, key_cache, value_cache, block_tables, seq_lens
     scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
     probs = scores / scores.sum(axis=-1, keepdims=True)
     return (probs @ values).reshape(num_seqs, heads, dim)
+
+
+def _is_hip(cupy) -> bool:
+    return bool(getattr(cupy.cuda.runtime, "is_hip", False))
 
 
 def _to_host(x):

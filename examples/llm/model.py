@@ -7,40 +7,119 @@ GPU, where cuBLAS accumulates in float32) and return float32.
 Attention is not done here: `forward` calls `attend(layer, q, k, v)` for each layer, so the same
 model runs prefill (dense causal attention + cache writes), paged decode (cupa) and the naive
 gather-based decode of the benchmark.
+
+On the GPU the elementwise chains (RMS norm, rotary embedding, SiLU) run as fused kernels
+(fused.py) with the same float32 arithmetic: a decode step is mostly kernel launches otherwise.
+The array expressions below remain the numpy path and the definition of what they compute.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .config import ModelConfig, rope_inv_freq
+from .fused import FusedOps
 from .weights import ModelWeights
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, xp, dtype):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, xp, dtype, *, fused=None):
+        """fused: use the fused GPU kernels (default: on for cupy; numpy has none)."""
         self.config, self.weights, self.xp = config, weights, xp
         self.dtype = np.dtype(dtype)                       # weight / KV-cache dtype
         self.inv_freq = xp.asarray(rope_inv_freq(config))  # float32 [head_dim // 2]
         self.scale = config.head_dim ** -0.5
+        if fused and xp is np:
+            raise ValueError("fused=True: the fused kernels need cupy (the GPU backend)")
+        self.fused = None
+        if fused or (fused is None and xp is not np):
+            self.fused = self._checked_fused_ops(required=bool(fused))
+
+    def _checked_fused_ops(self, required: bool):
+        """FusedOps once each kernel has matched the array expressions on a few random rows.
+        The kernels are compiled at run time: a compile error or a wrong result falls back to
+        the expressions with a warning (or raises, when fused=True was asked for)."""
+        ops = FusedOps(self.dtype)
+        try:
+            problem = self._fused_mismatch(ops)
+        except Exception as e:  # typically a kernel that does not compile on this setup
+            problem = f"{type(e).__name__}: {e}"
+        if problem is None:
+            return ops
+        if required:
+            raise RuntimeError(f"fused GPU kernels failed their check: {problem}")
+        warnings.warn(f"fused GPU kernels disabled ({problem}); running the plain cupy "
+                      f"expressions instead", RuntimeWarning)
+        return None
+
+    def _fused_mismatch(self, ops: FusedOps) -> str | None:
+        """Which fused kernel disagrees with the array expressions (self.fused must be None)."""
+        cfg, xp = self.config, self.xp
+        rng = np.random.default_rng(0)
+
+        def rows(width):
+            return xp.asarray(rng.standard_normal((3, width), dtype=np.float32))
+
+        x, y = rows(cfg.hidden_size), rows(cfg.hidden_size)
+        gate_up = rows(2 * cfg.intermediate_size)
+        qkv = rows((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+        positions = xp.asarray(np.array([0, 7, 1000], dtype=np.int64))
+        weight, eps = self.weights.norm, cfg.rms_norm_eps
+        pairs = [("rms_norm", self.rms_norm(x, weight), ops.rms_norm(x, weight, eps)),
+                 ("silu_mul", self.silu_mul(gate_up), ops.silu_mul(gate_up))]
+        pairs += [(f"add_rms_norm ({i})", want, got) for i, (want, got) in enumerate(
+            zip(self.add_rms_norm(x, y, weight), ops.add_rms_norm(x, y, weight, eps)))]
+        # Two 5-token sequences: the fused softmax against the array expressions.
+        q = xp.asarray(rng.standard_normal((10, cfg.num_heads, cfg.head_dim), dtype=np.float32))
+        k, v = (xp.asarray(rng.standard_normal((10, cfg.num_kv_heads, cfg.head_dim),
+                                               dtype=np.float32)) for _ in range(2))
+        pairs.append(("causal_softmax", causal_attention(xp, q, k, v, self.scale, 2),
+                      causal_attention(xp, q, k, v, self.scale, 2, ops.causal_softmax)))
+        fused_qkv = ops.split_qkv(qkv, ops.rope_tables(positions, self.inv_freq), cfg.num_heads,
+                                  cfg.num_kv_heads, cfg.head_dim)
+        pairs += [(f"split_qkv ({name})", want, got) for name, want, got in
+                  zip("qkv", self.split_qkv(qkv, self.rotary(positions)), fused_qkv)]
+        for name, want, got in pairs:
+            # float16 outputs are rounded (2^-11 relative); float32 ones may differ by fused
+            # multiply-adds only.
+            bound = 1e-5 if got.dtype == np.float32 else 2e-3
+            want, got = want.astype(np.float32), got.astype(np.float32)
+            error = float(xp.abs(got - want).max() / max(float(xp.abs(want).max()), 1e-30))
+            if got.shape != want.shape or not error <= bound:
+                return f"{name} differs from the array expression by {error:.1e}"
+        return None
 
     # -- building blocks -------------------------------------------------------------------------
 
-    def linear(self, x, weight, bias=None):
-        """float32 x [T, in] times weight [out, in] (+ bias) -> float32 [T, out]."""
-        y = (x.astype(weight.dtype, copy=False) @ weight.T).astype(np.float32, copy=False)
+    def linear(self, x, weight, bias=None, matmul=None):
+        """x [T, in] (float32 or the weight dtype) times weight [out, in] (+ bias) -> float32
+        [T, out]. matmul(x, weight) -> float32 x @ weight.T replaces the array operator (the
+        graph-captured decode step passes cuBLAS called directly, see cublas.py)."""
+        if matmul is not None:
+            y = matmul(x, weight)
+        else:
+            y = (x.astype(weight.dtype, copy=False) @ weight.T).astype(np.float32, copy=False)
         if bias is not None:
             y = y + bias.astype(np.float32, copy=False)
         return y
 
     def rms_norm(self, x, weight):
+        """float32 x [T, H] -> normalised x times weight: float32, or on the fused GPU path the
+        matmul input dtype (the linear that follows needs no cast then)."""
+        if self.fused is not None:
+            return self.fused.rms_norm(x, weight, self.config.rms_norm_eps)
         xp = self.xp
         variance = (x * x).mean(axis=-1, keepdims=True)
         normed = x * (1.0 / xp.sqrt(variance + np.float32(self.config.rms_norm_eps)))
         return normed * weight.astype(np.float32, copy=False)
 
     def rotary(self, positions):
-        """(cos, sin), each float32 [T, 1, head_dim], for the 'rotate half' convention."""
+        """(cos, sin), each float32 [T, 1, head_dim], for the 'rotate half' convention (fused
+        GPU path: [T, head_dim / 2], what its kernel reads)."""
+        if self.fused is not None:
+            return self.fused.rope_tables(positions, self.inv_freq)
         xp = self.xp
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
         angles = xp.concatenate([freqs, freqs], axis=-1)[:, None, :]
@@ -52,59 +131,105 @@ class Model:
         rotated = self.xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * cos + rotated * sin
 
-    # -- the network -----------------------------------------------------------------------------
-
-    def forward(self, token_ids, positions, attend, last_rows=None):
-        """Logits (float32 [rows, vocab]) for tokens `token_ids` at `positions` (xp int arrays).
-
-        attend(layer, q, k, v) gets float32 q [T, heads, d], k and v [T, kv_heads, d] (rotary
-        applied) and returns float32 [T, heads, d]. `last_rows` picks the rows whose logits are
-        wanted (default: all), so prefill computes the LM head only for each prompt's last token.
-        """
-        cfg, w, xp = self.config, self.weights, self.xp
-        n = token_ids.shape[0]
+    def split_qkv(self, qkv, rope):
+        """Fused projection float32 [T, (H + 2 KV) * d] -> q [T, H, d], k and v [T, KV, d],
+        rotary applied to q and k; `rope` is rotary(positions). float32, except on the fused GPU
+        path: the model dtype (what the cache stores and paged decode reads), q contiguous."""
+        cfg = self.config
+        if self.fused is not None:
+            return self.fused.split_qkv(qkv, rope, cfg.num_heads, cfg.num_kv_heads,
+                                        cfg.head_dim)
+        n = qkv.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        cos, sin = self.rotary(positions)
+        cos, sin = rope
+        q = qkv[:, :q_size].reshape(n, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        return (self.apply_rotary(q, cos, sin), self.apply_rotary(k, cos, sin),
+                self.xp.ascontiguousarray(v))
+
+    def add_rms_norm(self, x, y, weight):
+        """The residual add and the norm after it: (x + y, rms_norm(x + y)) (one pass on the
+        fused GPU path)."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, y, weight, self.config.rms_norm_eps)
+        x = x + y
+        return x, self.rms_norm(x, weight)
+
+    def causal_attention(self, q, k, v, num_seqs=1):
+        """Prefill attention of equal-length sequences (see the module function)."""
+        softmax = self.fused.causal_softmax if self.fused is not None else None
+        return causal_attention(self.xp, q, k, v, self.scale, num_seqs, softmax)
+
+    def silu_mul(self, gate_up):
+        """float32 [T, 2 * inter] (gate, then up) -> SiLU(gate) * up [T, inter] (float32, or
+        the matmul input dtype on the fused GPU path)."""
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
+        inter = self.config.intermediate_size
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        return gate / (1.0 + self.xp.exp(-gate)) * up
+
+    # -- the network -----------------------------------------------------------------------------
+
+    def forward(self, token_ids, positions, attend, last_rows=None, matmul=None):
+        """Logits (float32 [rows, vocab]) for tokens `token_ids` at `positions` (xp int arrays).
+
+        attend(layer, q, k, v) gets q [T, heads, d], k and v [T, kv_heads, d] as split_qkv
+        returns them (rotary applied) and returns [T, heads, d] in float32 or the model dtype
+        (the output projection casts to the weight dtype either way). `last_rows` picks the rows
+        whose logits are wanted (default: all), so prefill computes the LM head only for each
+        prompt's last token. matmul: see `linear`.
+        """
+        w = self.weights
+        n = token_ids.shape[0]
+        rope = self.rotary(positions)
         x = w.embed[token_ids].astype(np.float32)
-        for index, layer in enumerate(w.layers):
-            h = self.rms_norm(x, layer.input_norm)
-            qkv = self.linear(h, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].reshape(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, q_size + kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            q = self.apply_rotary(q, cos, sin)
-            k = self.apply_rotary(k, cos, sin)
-            attn = attend(index, q, k, xp.ascontiguousarray(v))
-            x = x + self.linear(attn.reshape(n, q_size), layer.o, layer.o_bias)
+        # Every residual add goes with the norm after it: the layer's post-attention norm, the
+        # next layer's input norm, or after the last layer the final norm.
+        next_norms = [layer.input_norm for layer in w.layers[1:]] + [w.norm]
+        h = self.rms_norm(x, w.layers[0].input_norm if w.layers else w.norm)
+        for index, (layer, next_norm) in enumerate(zip(w.layers, next_norms)):
+            qkv = self.linear(h, layer.qkv, layer.qkv_bias, matmul)
+            q, k, v = self.split_qkv(qkv, rope)
+            attn = attend(index, q, k, v)
+            o = self.linear(attn.reshape(n, -1), layer.o, layer.o_bias, matmul)
+            x, h = self.add_rms_norm(x, o, layer.post_norm)
 
-            h = self.rms_norm(x, layer.post_norm)
-            gate_up = self.linear(h, layer.gate_up, layer.gate_up_bias)
-            gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
-            act = gate / (1.0 + xp.exp(-gate)) * up          # SiLU(gate) * up
-            x = x + self.linear(act, layer.down, layer.down_bias)
+            act = self.silu_mul(self.linear(h, layer.gate_up, layer.gate_up_bias, matmul))
+            down = self.linear(act, layer.down, layer.down_bias, matmul)
+            x, h = self.add_rms_norm(x, down, next_norm)
         if last_rows is not None:
-            x = x[last_rows]
-        return self.linear(self.rms_norm(x, w.norm), w.lm_head)
+            h = h[last_rows]
+        return self.linear(h, w.lm_head, matmul=matmul)
 
 
-def causal_attention(xp, q, k, v, scale):
-    """Dense causal attention of one sequence: q [L, H, d], k/v [L, KV, d] -> [L, H, d] float32.
+def causal_attention(xp, q, k, v, scale, num_seqs=1, softmax=None):
+    """Dense causal attention of `num_seqs` sequences of one length L, laid end to end:
+    q [num_seqs * L, H, d], k/v [num_seqs * L, KV, d] -> [num_seqs * L, H, d] float32.
 
     Grouped-query heads are handled by viewing the query heads as [KV, group] instead of copying
-    K and V per query head.
+    K and V per query head. softmax(scores, L, scale): a fused in-place causal softmax of float32
+    scores [..., L] (the GPU's, fused.py); None computes it with array expressions.
     """
-    length, heads, dim = q.shape
+    rows, heads, dim = q.shape
+    length = rows // num_seqs
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    q = q.astype(np.float32).reshape(length, kv_heads, group, dim).transpose(1, 2, 0, 3)
-    k = k.astype(np.float32).transpose(1, 2, 0)            # [KV, d, L]
-    v = v.astype(np.float32).transpose(1, 0, 2)            # [KV, L, d]
-    scores = (q.reshape(kv_heads, group * length, dim) @ k) * np.float32(scale)
-    scores = scores.reshape(kv_heads, group, length, length)
-    future = xp.triu(xp.ones((length, length), dtype=bool), k=1)
-    scores = xp.where(future, np.float32(-np.inf), scores)
-    scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = scores / scores.sum(axis=-1, keepdims=True)
-    out = probs.reshape(kv_heads, group * length, length) @ v   # [KV, group * L, d]
-    return out.reshape(kv_heads, group, length, dim).transpose(2, 0, 1, 3).reshape(length, heads, dim)
+    q = q.astype(np.float32).reshape(num_seqs, length, kv_heads, group, dim)
+    q = q.transpose(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, group * length, dim)
+    k = k.astype(np.float32).reshape(num_seqs, length, kv_heads, dim).transpose(0, 2, 3, 1)
+    v = v.astype(np.float32).reshape(num_seqs, length, kv_heads, dim).transpose(0, 2, 1, 3)
+    scores = q @ k                                          # [S, KV, group * L, L]
+    if softmax is not None:
+        probs = softmax(xp.ascontiguousarray(scores), length, scale)
+    else:
+        scores = scores.reshape(num_seqs, kv_heads, group, length, length) * np.float32(scale)
+        future = xp.triu(xp.ones((length, length), dtype=bool), k=1)
+        scores = xp.where(future, np.float32(-np.inf), scores)
+        scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+    out = probs.reshape(num_seqs, kv_heads, group * length, length) @ v  # [S, KV, group * L, d]
+    out = out.reshape(num_seqs, kv_heads, group, length, dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(rows, heads, dim)

@@ -12,7 +12,7 @@ from cupa.api import resolve_backend
 from cupa.fp8 import FP8_FORMATS, default_kv_format
 
 from .config import load_config
-from .model import Model, causal_attention
+from .model import Model
 from .weights import load_weights
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -116,7 +116,7 @@ def calibrate_kv_scales(model: Model, prompts, kv_format: str):
         for i, x in enumerate((k, v)):
             head_max = xp.abs(x).max(axis=(0, 2))  # float32 [kv_heads]
             amax[i] = np.maximum(amax[i], head_max.get() if xp is not np else head_max)
-        return causal_attention(xp, q, k, v, model.scale)
+        return model.causal_attention(q, k, v)
 
     for prompt in prompts:
         n = len(prompt)
