@@ -70,11 +70,10 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 def bucket_for(batch: int, buckets) -> int:
     """The smallest bucket that holds `batch` rows."""
-    for size in buckets:
-        if size >= batch:
-            if batch < 1:
-                break
-            return size
+    if batch >= 1:
+        for size in buckets:
+            if size >= batch:
+                return size
     raise ValueError(f"batch of {batch} sequences: must be from 1 to the largest graph bucket "
                      f"({buckets[-1]})")
 
