@@ -198,6 +198,9 @@ def test_gpu_graph_gemm_matches_cupy(dtype):
         w = cupy.asarray(rng.standard_normal((320, 256), dtype=np.float32)).astype(DTYPES[dtype])
         got = gemm(x, w)
         want = x.astype(w.dtype).astype(np.float32) @ w.astype(np.float32).T
+    # The stream is non-blocking: `.get()` below copies on the null stream, which does not wait
+    # for it, so without this the copy can read `want` before the matmul has written it.
+    stream.synchronize()
     assert got.dtype == np.float32 and got.shape == (7, 320)
     np.testing.assert_allclose(got.get(), want.get(), rtol=1e-4, atol=1e-3)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session: GPU tests, then benchmarks. Usage: tools/device_run.sh [tests|bench|all]
+# One device session: GPU tests, then benchmarks. Usage: tools/device_run.sh [tests|bench|all|breadth]
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present.
 # The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
 # reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
@@ -23,6 +23,22 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_$i.log" | head -10
   done
+fi
+if [ "$what" = breadth ]; then
+  # The issue's "also within 10% of the best peer" configurations, one bench run each.
+  while read -r name flags; do
+    echo "== $name: $flags"
+    timeout 170 python3 -m cupa bench $flags --json "$OUT/breadth_$name.json" 2>&1 \
+      | grep -v "^\s*\[\|INFO" | tail -12
+  done <<'CONFIGS'
+mha --heads 32 --kv-heads 32
+group4 --heads 32 --kv-heads 8
+group16 --heads 64 --kv-heads 4
+bf16 --dtype bfloat16
+head64 --head-size 64
+block32 --block-size 32
+head256 --head-size 256
+CONFIGS
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 300 python3 -m cupa bench --features --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \

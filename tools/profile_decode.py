@@ -26,6 +26,8 @@ def main():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--query-len", type=int, default=1, help="new tokens per sequence")
     p.add_argument("--kv-format", default=None, help="fp8_e4m3 or fp8_e4m3fnuz")
+    p.add_argument("--partition-size", type=int, default=None,
+                   help="force the partition size (default: the planner's)")
     p.add_argument("--runs", type=int, default=4)
     args = p.parse_args()
     import cupy
@@ -42,6 +44,7 @@ def main():
         key = cupa.quantize_fp8(key, args.kv_format, scale)
         value = cupa.quantize_fp8(value, args.kv_format, scale)
         options.update(kv_format=args.kv_format, k_scale=scale, v_scale=scale)
+    options["partition_size"] = args.partition_size
     for _ in range(args.runs):
         cupa.decode(query, key, value, tables, lens, max_seq_len=args.seq_len, **options)
     cupy.cuda.get_current_stream().synchronize()

@@ -104,7 +104,7 @@ template <typename T> struct MmaOp;
 
 template <> struct MmaOp<cupa_f16> {
     CUPA_FN static void run(float* d, const u32* a, u32 b0, u32 b1) {
-        asm volatile(
+        asm(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -118,7 +118,7 @@ template <> struct MmaOp<cupa_f16> {
 
 template <> struct MmaOp<cupa_bf16> {
     CUPA_FN static void run(float* d, const u32* a, u32 b0, u32 b1) {
-        asm volatile(
+        asm(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -209,10 +209,14 @@ struct RowMask {
 
 CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-// 16 bytes global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
+// 16 (4) bytes global -> shared; with valid == false nothing is read and the bytes are zeroed.
 CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  ::"r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+CUPA_FN void copy4_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(valid ? 4 : 0));
 }
 CUPA_FN void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING> CUPA_FN void wait_copies() {
@@ -226,6 +230,8 @@ CUPA_FN u32 dynamic_shared_bytes() {
 
 // Layout of one stage: K rows, V rows (CHUNK x D elements of C each), one readable flag per token
 // (0 past the partition's end or for a block id outside the cache; such rows are zero-filled).
+// After the stages: ID_SLOTS slots of CHUNK block ids (the block of each token of a chunk), which
+// arrive by cp.async STAGES - 1 chunks ahead of the K/V copies that need them.
 // variants.DecodeMmaVariant.shared_bytes mirrors BYTES.
 template <typename C, int D>
 struct KvRing {
@@ -235,7 +241,9 @@ struct KvRing {
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_BYTES + CHUNK;
     static constexpr int STAGES = KV_BYTES >= 16384 ? 3 : 4;
-    static constexpr int BYTES = STAGES * STAGE_BYTES;
+    static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
+    static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
+    static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;  // rows one copy instruction covers
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     static_assert(STAGE_BYTES % 16 == 0 && CHUNK % ROWS_PER_PASS == 0, "ring layout");
@@ -255,80 +263,110 @@ struct KvRing {
 };
 
 // The copy side of the ring. Thread i copies unit i % UNITS of rows i / UNITS + p * ROWS_PER_PASS
-// of each chunk (a warp covers whole rows: coalesced), reading the block ids of the next chunk
-// one chunk ahead, so no copy waits on a block-table read.
+// of each chunk (a warp covers whole rows: coalesced). The block ids a chunk's copies need come
+// from the ring's id slots, themselves filled by cp.async: those of chunk k travel in the copy
+// group of chunk k - STAGES + 1, so they have landed when the wait for that chunk returns, and no
+// copy ever waits on a block-table read (in v7 each chunk's copies stalled on one).
+//   groups: [ids 0 .. 2S-3] (waited for in begin), then G_j = {K/V of chunk j, ids of j + S - 1}
+//   stage(i): wait for G_0 .. G_i, copy chunk i + S - 1 (its ids came with G_i), ids of i + 2S - 2
+//   id slot of chunk k: k % 2S; its previous chunk k - 2S was copied at stage k - 3S + 1, before
+//   the barrier of the stage k - 2S + 2 that overwrites it.
 template <typename C, int D>
 struct KvStream {
     typedef KvRing<C, D> R;
+    // Every row a thread copies has the same swizzle (rows r0 + p * ROWS_PER_PASS share their
+    // low three bits, which is all swizzle() reads), so its destinations are one offset plus
+    // compile-time steps, and its sources one per-thread base plus a 32 x 32-bit product.
+    static_assert(R::ROWS_PER_PASS % 8 == 0, "a thread's rows share their swizzle");
     unsigned char* ring;
-    const C* key_cache;
-    const C* value_cache;
-    PagedRows rows;
-    int start, chunks;
-    i32 ids[R::PASSES];
+    const unsigned char* k_src;  // this thread's 16-byte unit of the KV head's rows, block 0
+    const unsigned char* v_src;
+    const i32* table;
+    u32 block_bytes;  // bytes from one block to the next (all KV heads)
+    int row_mask, shift, end, num_blocks;
+    int dst, start, chunks;
 
-    CUPA_FN void read_blocks(int base) {
-        const int r0 = threadIdx.x / R::UNITS;
-#pragma unroll
-        for (int p = 0; p < R::PASSES; ++p) {
-            const int t = base + r0 + p * R::ROWS_PER_PASS;
-            ids[p] = t < rows.end ? rows.table[t >> rows.shift] : -1;
+    CUPA_FN i32* id_slot(int chunk) const {
+        return reinterpret_cast<i32*>(ring + R::IDS_OFFSET) + (chunk % R::ID_SLOTS) * R::CHUNK;
+    }
+
+    // Thread t < CHUNK starts copying the block id of token t of `chunk` (zero past the end:
+    // copy_chunk checks the end itself).
+    CUPA_FN void copy_ids(int chunk) {
+        const int t = start + chunk * R::CHUNK + (int)threadIdx.x;
+        if ((int)threadIdx.x < R::CHUNK && chunk < chunks) {
+            const bool ok = t < end;
+            copy4_async(id_slot(chunk) + threadIdx.x, table + (ok ? t >> shift : 0), ok);
         }
     }
 
     CUPA_FN void copy_chunk(int chunk) {
         unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES;
-        const int base = start + chunk * R::CHUNK;
-        const int r0 = threadIdx.x / R::UNITS, u = threadIdx.x % R::UNITS;
+        const i32* ids = id_slot(chunk);
+        const int r0 = threadIdx.x / R::UNITS;
+        const int t0 = start + chunk * R::CHUNK + r0;
+        const bool flag_writer = threadIdx.x % R::UNITS == 0;
 #pragma unroll
         for (int p = 0; p < R::PASSES; ++p) {
-            const int r = r0 + p * R::ROWS_PER_PASS;
-            const i64 row = rows.row_in_block(ids[p], base + r);
-            const bool ok = row >= 0;
-            const i64 src = (ok ? row : 0) + u * (16 / (int)sizeof(C));
-            const int dst = R::offset(r, u * (16 / (int)sizeof(C)));
-            copy16_async(stage + dst, key_cache + src, ok);
-            copy16_async(stage + R::KV_BYTES + dst, value_cache + src, ok);
-            if (u == 0) stage[2 * R::KV_BYTES + r] = ok;
+            const int r = r0 + p * R::ROWS_PER_PASS, t = t0 + p * R::ROWS_PER_PASS;
+            const i32 id = ids[r];
+            const bool ok = t < end && (u32)id < (u32)num_blocks;
+            // Rows that are not copied read from offset 0 (valid memory, never dereferenced).
+            const u32 block = ok ? (u32)id : 0u;
+            const u32 row = ok ? (u32)((t & row_mask) * R::ROW_BYTES) : 0u;
+            const u64 src = (u64)block * block_bytes + row;
+            unsigned char* to = stage + dst + p * R::ROWS_PER_PASS * R::ROW_BYTES;
+            copy16_async(to, k_src + src, ok);
+            copy16_async(to + R::KV_BYTES, v_src + src, ok);
+            if (flag_writer) stage[2 * R::KV_BYTES + r] = ok;
         }
     }
 
-    // Starts the first STAGES - 1 chunks of tokens [start_, end).
-    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows_,
-                       int start_, int end) {
+    // Fetches the block ids of the first 2 STAGES - 2 chunks of tokens [start_, rows.end) (one
+    // round trip), then starts the K/V copies of the first STAGES - 1 chunks.
+    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows,
+                       int start_) {
         ring = ring_;
-        key_cache = k;
-        value_cache = v;
-        rows = rows_;
+        const int u = threadIdx.x % R::UNITS;
+        const i64 unit = rows.head_offset * (i64)sizeof(C) + 16 * u;
+        k_src = reinterpret_cast<const unsigned char*>(k) + unit;
+        v_src = reinterpret_cast<const unsigned char*>(v) + unit;
+        table = rows.table;
+        block_bytes = (u32)(rows.block_stride * (i64)sizeof(C));
+        shift = rows.shift;
+        row_mask = (1 << rows.shift) - 1;
+        end = rows.end;
+        num_blocks = rows.num_blocks;
+        dst = R::offset(threadIdx.x / R::UNITS, u * (16 / (int)sizeof(C)));
         start = start_;
         chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
-        read_blocks(start);
+#pragma unroll
+        for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
+        commit_copies();
+        wait_copies<0>();
+        __syncthreads();
 #pragma unroll
         for (int k = 0; k < R::STAGES - 1; ++k) {
-            if (k < chunks) {
-                copy_chunk(k);
-                read_blocks(start + (k + 1) * R::CHUNK);
-            }
+            if (k < chunks) copy_chunk(k);
             commit_copies();  // empty groups too: the wait below counts groups
         }
     }
 
     // Waits until chunk i has landed (for every thread), starts chunk i + STAGES - 1 into the
-    // stage chunk i - 1 used (every warp is past it: the barrier), returns chunk i's stage.
+    // stage chunk i - 1 used (every warp is past it: the barrier) and the ids of chunk
+    // i + 2 STAGES - 2, returns chunk i's stage.
     CUPA_FN const unsigned char* stage(int i) {
         wait_copies<R::STAGES - 2>();
         __syncthreads();
         const int next = i + R::STAGES - 1;
-        if (next < chunks) {
-            copy_chunk(next);
-            read_blocks(start + (next + 1) * R::CHUNK);
-        }
+        if (next < chunks) copy_chunk(next);
+        copy_ids(i + 2 * R::STAGES - 2);
         commit_copies();
         return ring + (i % R::STAGES) * R::STAGE_BYTES;
     }
 
     // After the last chunk: the ring's memory may be reused (the warp merge).
-    CUPA_FN void end() {
+    CUPA_FN void end_copies() {
         wait_copies<0>();
         __syncthreads();
     }
@@ -423,7 +461,7 @@ CUPA_FN void decode_partition_mma16(
                                       block_size, num_blocks, D);
     KvStream<C, D> kv;
     kv.begin(reinterpret_cast<unsigned char*>(dynamic_shared), key_cache, value_cache, rows,
-             w.start, w.end);
+             w.start);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
     const int tiles = (w.nh + TILE_ROWS - 1) / TILE_ROWS;
@@ -460,16 +498,24 @@ CUPA_FN void decode_partition_mma16(
             KvStep<C, D> cur;
             cur.load(stage, step * STEP, g, c);
 
-            // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1).
+            // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1), each summed in two
+            // independent accumulators (halves of the head dim's k16 steps) to halve the chain
+            // of dependent mma's.
             float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+            float s0b[4] = {0.f, 0.f, 0.f, 0.f}, s1b[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int b = 0; b < QK_BLOCKS; ++b) {
                 const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]);
                 const cupa_u32x4 k1 = KvLoad<C>::widen(cur.k1[b]);
                 MmaOp<M>::run(s0, qf[b][0], k0.x, k0.y);
-                MmaOp<M>::run(s0, qf[b][1], k0.z, k0.w);
+                MmaOp<M>::run(s0b, qf[b][1], k0.z, k0.w);
                 MmaOp<M>::run(s1, qf[b][0], k1.x, k1.y);
-                MmaOp<M>::run(s1, qf[b][1], k1.z, k1.w);
+                MmaOp<M>::run(s1b, qf[b][1], k1.z, k1.w);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s0[e] += s0b[e];
+                s1[e] += s1b[e];
             }
             // Scale, soft-cap, ALiBi, masks. Element i: row r_lo (i & 2 == 0) or r_hi, V token
             // (i & 1) | (i & 4) >> 1.
@@ -519,7 +565,7 @@ CUPA_FN void decode_partition_mma16(
             }
         }
     }
-    kv.end();
+    kv.end_copies();
 
     // Each warp leaves its rows' max, sum and unnormalised output for the merge.
     float (*o_s)[TILE_ROWS][D] = reinterpret_cast<float (*)[TILE_ROWS][D]>(dynamic_shared);
@@ -554,7 +600,7 @@ CUPA_FN void decode_partition_mma16(
 // transpose per 8x8 tile. Each warp takes one 16-token step of every staged chunk.
 CUPA_FN u32 transpose8x8(u32 x) {
     u32 y;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
     return y;
 }
 
@@ -585,7 +631,7 @@ CUPA_FN void decode_partition_mma8(
                                       block_size, num_blocks, D);
     KvStream<C, D> kv;
     kv.begin(reinterpret_cast<unsigned char*>(dynamic_shared), key_cache, value_cache, rows,
-             w.start, w.end);
+             w.start);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
 
@@ -610,16 +656,19 @@ CUPA_FN void decode_partition_mma8(
         KvStep<C, D> cur;
         cur.load(stage, warp * STEP, g, c);
 
-        // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), heads 2c, 2c+1.
-        float st[4] = {0.f, 0.f, 0.f, 0.f};
+        // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), heads 2c, 2c+1;
+        // two independent accumulators (see the 16-row kernel) summed at the end.
+        float st[4] = {0.f, 0.f, 0.f, 0.f}, st2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int b = 0; b < QK_BLOCKS; ++b) {
             const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]), k1 = KvLoad<C>::widen(cur.k1[b]);
             const u32 a1[4] = {k0.x, k1.x, k0.y, k1.y};
             const u32 a2[4] = {k0.z, k1.z, k0.w, k1.w};
             MmaOp<M>::run(st, a1, qv[b].x, qv[b].y);
-            MmaOp<M>::run(st, a2, qv[b].z, qv[b].w);
+            MmaOp<M>::run(st2, a2, qv[b].z, qv[b].w);
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st[i] += st2[i];
         float s[4];  // rows 2c (even i) and 2c + 1 (odd i); tokens base + g and base + g + 8
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -660,7 +709,7 @@ CUPA_FN void decode_partition_mma8(
             MmaOp<M>::run(acc[i], a, pb0, pb1);
         }
     }
-    kv.end();
+    kv.end_copies();
 
     float (*o_s)[HT][D] = reinterpret_cast<float (*)[HT][D]>(dynamic_shared);
 #pragma unroll
