@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupa  # noqa: E402
-from cupa.bench import DEFAULT_SHAPES, Timer, make_problem  # noqa: E402
-from cupa.fp8 import quantize_fp8  # noqa: E402
+from cupa.bench import DEFAULT_SHAPES, Timer  # noqa: E402
+from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
 
 
 _READ = r"""
@@ -46,13 +47,7 @@ def _read(cupy, key, value):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--query-len", type=int, default=1, help="new tokens per sequence")
-    p.add_argument("--kv-format", default=None, help="fp8_e4m3 or fp8_e4m3fnuz")
+    add_problem_arguments(p)
     p.add_argument("--sizes", default="64,128,256,512,1024,2048,4096",
                    help="partition sizes to force (those >= the sequence are skipped)")
     p.add_argument("--iters", type=int, default=30)
@@ -64,46 +59,39 @@ def main():
     rng = np.random.default_rng(0)
     timer = Timer(cupy, args.iters)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    label = f"{args.kv_format or args.dtype}, {args.query_len} new token(s)"
     for text in args.shapes.split(","):
         batch, seq_len = (int(x) for x in text.lower().split("x"))
-        query, key, value, tables, lens, _ = make_problem(cupy, rng, batch, seq_len, args)
-        options = dict(max_seq_len=seq_len)
-        if args.query_len > 1:
-            query = cupy.random.standard_normal((batch * args.query_len,) + query.shape[1:],
-                                                dtype=cupy.float32).astype(query.dtype)
-            options["query_start_loc"] = np.arange(0, batch * args.query_len + 1,
-                                                   args.query_len, dtype=np.int32)
-        if args.kv_format:
-            key, value = (quantize_fp8(x, args.kv_format, 0.02) for x in (key, value))
-            options.update(kv_format=args.kv_format, k_scale=0.02, v_scale=0.02)
-        out = cupy.empty_like(query)
+        sweep_shape(cupy, timer, rng, batch, seq_len, sizes, args)
 
-        def time(partition_size):
-            return timer.median_us(lambda: cupa.decode(query, key, value, tables, lens, out=out,
-                                                       partition_size=partition_size, **options))
-        chosen = cupa.plan_decode(query, key, value, tables, lens, **options).partition_size
-        planner = time(None)
-        results = {s: time(s) for s in sizes if s < seq_len}
-        if sizes:
-            results[seq_len] = time(seq_len)
-        else:  # --sizes '': the planner's choice only
-            results[chosen] = planner
-        if args.floors:
-            kv_bytes = 2 * key.nbytes
-            floor = timer.median_us(lambda: _read(cupy, key, value))
-            ordered = cupy.arange(tables.size, dtype=cupy.int32).reshape(tables.shape)
-            in_order = timer.median_us(lambda: cupa.decode(query, key, value, ordered, lens,
-                                                           out=out, **options))
-            print(f"{batch}x{seq_len} floors: read {kv_bytes / 1e6:.1f} MB {floor:.1f} us "
-                  f"({kv_bytes / floor / 1e6:.2f} TB/s); cupa blocks in order {in_order:.1f} us "
-                  f"vs shuffled {planner:.1f} us", flush=True)
-        best = min(results, key=results.get)
-        row = "  ".join(f"{s}:{us:.1f}" for s, us in results.items())
-        print(f"{batch}x{seq_len} [{label}] planner P={chosen}: {planner:.1f} us | {row} | "
-              f"best P={best} {results[best]:.1f} us = {results[best] / planner:.3f}x planner",
-              flush=True)
-        del query, key, value, tables, lens, out
+
+def sweep_shape(cupy, timer, rng, batch, seq_len, sizes, args):
+    """Prints one shape's line (and its floors line with --floors)."""
+    query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
+    out = cupy.empty_like(query)
+
+    def time(partition_size, block_tables=tables):
+        return timer.median_us(lambda: cupa.decode(query, key, value, block_tables, lens, out=out,
+                                                   partition_size=partition_size, **options))
+    chosen = cupa.plan_decode(query, key, value, tables, lens, **options).partition_size
+    planner = time(None)
+    results = {s: time(s) for s in sizes if s < seq_len}
+    if sizes:
+        results[seq_len] = time(seq_len)
+    else:  # --sizes '': the planner's choice only
+        results[chosen] = planner
+    if args.floors:
+        kv_bytes = 2 * key.nbytes
+        floor = timer.median_us(lambda: _read(cupy, key, value))
+        in_order = time(None, cupy.arange(tables.size, dtype=cupy.int32).reshape(tables.shape))
+        print(f"{batch}x{seq_len} floors: read {kv_bytes / 1e6:.1f} MB {floor:.1f} us "
+              f"({kv_bytes / floor / 1e6:.2f} TB/s); cupa blocks in order {in_order:.1f} us "
+              f"vs shuffled {planner:.1f} us", flush=True)
+    best = min(results, key=results.get)
+    row = "  ".join(f"{s}:{us:.1f}" for s, us in results.items())
+    label = f"{args.kv_format or args.dtype}, {args.query_len} new token(s)"
+    print(f"{batch}x{seq_len} [{label}] planner P={chosen}: {planner:.1f} us | {row} | "
+          f"best P={best} {results[best]:.1f} us = {results[best] / planner:.3f}x planner",
+          flush=True)
 
 
 if __name__ == "__main__":
