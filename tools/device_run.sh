@@ -28,7 +28,7 @@ if [ "$what" = breadth ]; then
   # The issue's "also within 10% of the best peer" configurations, one bench run each.
   while read -r name flags; do
     echo "== $name: $flags"
-    timeout 170 python3 -m cupa bench $flags --json "$OUT/breadth_$name.json" 2>&1 \
+    timeout 170 python3 -m cupa bench $flags --json "$OUT/breadth_$name.json" </dev/null 2>&1 \
       | grep -v "^\s*\[\|INFO" | tail -12
   done <<'CONFIGS'
 mha --heads 32 --kv-heads 32
