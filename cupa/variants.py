@@ -153,7 +153,7 @@ class DecodeMmaVariant(_TwoPhase):
         kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
         stages = 3 if kv_bytes >= 16384 else 4
         ring = stages * (2 * kv_bytes + chunk) + 2 * stages * chunk * 4
-        merge = (THREADS // 32) * (8 if self.heads == 8 else 16) * self.head_size * 4
+        merge = (THREADS // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
         return max(ring, merge)
 
     @property

@@ -95,8 +95,6 @@ def main():
             Path(src).write_text(ptx(v, args.arch))
             info = subprocess.run([ptxas, f"-arch={args.arch}", "-v", src, "-o", obj],
                                   capture_output=True, text=True, check=True).stderr
-            regs = dict(re.findall(r"Function properties for (\S+)[\s\S]*?Used (\d+) registers",
-                                   info))
             usage = re.search(rf"Compiling entry function '{name}'[\s\S]*?(\d+) bytes spill "
                               rf"stores[\s\S]*?Used (\d+) registers", info)
             sass = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True,
@@ -106,7 +104,7 @@ def main():
                 Path(args.dump, name + ".sass").write_text(sass)
             loop = chunk_loop(instructions(sass, name))
             mix = collections.Counter(opcode(t) for t in loop).most_common(8)
-            spills, used = (usage.group(1), usage.group(2)) if usage else ("?", regs.get(name, "?"))
+            spills, used = (usage.group(1), usage.group(2)) if usage else ("?", "?")
             print(f"{name:36s} regs {used:>3s} spill {spills:>3s} B | loop {len(loop):4d}: "
                   + " ".join(f"{op} {n}" for op, n in mix))
 
