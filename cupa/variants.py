@@ -146,13 +146,13 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
-        64 tokens of K and V plus a flag byte per token; 3 stages when K alone is >= 16 KB, else
-        4; then twice as many slots of 64 int32 block ids), which the warps' merge buffer reuses.
-        The kernel traps if given less."""
+        64 tokens of K and V; 3 stages when K alone is >= 16 KB, else 4; then twice as many
+        slots of 64 int32 block ids), which the warps' merge buffer reuses. The kernel traps if
+        given less."""
         chunk = 16 * (THREADS // 32)
         kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
         stages = 3 if kv_bytes >= 16384 else 4
-        ring = stages * (2 * kv_bytes + chunk) + 2 * stages * chunk * 4
+        ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (THREADS // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
         return max(ring, merge)
 

@@ -9,17 +9,11 @@
 // query rows are an operand of mma.sync.m16n8k16 (rows past the group are zero).
 //
 // Memory: the workgroup streams its partition's K/V rows through a ring of shared-memory stages
-// filled by cp.async (KvStream), several chunks ahead; the warps read their fragments from the
-// staged rows. Fragment layout without ldmatrix: the order of the summed index of a matrix
-// product does not matter, so we permute it to make every fragment read 16 (fp8: 8) bytes wide.
-//   QK (S = Q K^T, k = head dim): lane (g = lane/4, c = lane%4) reads K[token g][32b + 8c .. +8]
-//     and feeds its four 32-bit words as the B fragments of two k16 steps; Q's A fragments are
-//     loaded with the same permutation once per workgroup.
-//   PV (O = P V, k = token): P comes straight from the QK accumulators (the FA2 register reuse);
-//     n-tile j of the output maps to head-dim column 64*(j/8) + 8*n + j%8, so lane (g, c) reads
-//     V[token][64b + 8g .. +8] for its four tokens {2c, 2c+1, 2c+8, 2c+9} and packs pairs of them
-//     with one byte-permute per B fragment. Output columns come back as 16 contiguous values
-//     per 64-column block.
+// filled by cp.async (KvRing, KvStream), several chunks ahead of the warps; an XOR swizzle of
+// the 16-byte units keeps the 8 rows an ldmatrix reads at one column in 8 different bank
+// groups. The warps take their K and V fragments from the staged rows with ldmatrix (K) and
+// ldmatrix.trans (V), 16-bit and fp8 caches alike (Frag: fp8 codes are read as 16-bit pairs and
+// widened to float16 at use); P comes straight from the QK accumulators (the FA2 register reuse).
 // Each warp computes 16-token steps of the staged chunks with its own running max and sum; the
 // warps merge through shared memory at the end.
 #include "common.cuh"
@@ -39,65 +33,16 @@ template <typename T, typename C> struct MmaTypeOf { typedef T type; };
 template <typename T> struct MmaTypeOf<T, cupa_fp8> { typedef cupa_f16 type; };
 template <typename T> struct MmaTypeOf<T, cupa_fp8_e4m3> { typedef cupa_f16 type; };
 
-// 8 consecutive elements of a K/V row: `load8` fetches them as they are stored (Raw, what a
-// lane keeps in flight while the previous step computes), `widen` turns them into four words of
-// packed 16-bit pairs of the mma type when the step uses them. Widening at use, not at load,
-// keeps the loads asynchronous: an fp8 conversion right after the load would wait for it.
-template <typename C> struct KvLoad {
-    typedef cupa_u32x4 Raw;
-    CUPA_FN static Raw load8(const C* p) { return load16(p); }
-    CUPA_FN static cupa_u32x4 widen(const Raw& r) { return r; }
-};
-struct Fp8Raw { u32 lo, hi; };  // 8 codes
-CUPA_FN Fp8Raw load8_codes(const void* p) {
-    const u64 w = *reinterpret_cast<const u64*>(p);
-    const Fp8Raw r = {(u32)w, (u32)(w >> 32)};
-    return r;
-}
-// Either e4m3 format, in software (see Elem<cupa_fp8>): values times 2^(bias - 15).
-template <> struct KvLoad<cupa_fp8> {
-    typedef Fp8Raw Raw;
-    CUPA_FN static Raw load8(const cupa_fp8* p) { return load8_codes(p); }
-    CUPA_FN static cupa_u32x4 widen(const Raw& r) {
-        typedef Elem<cupa_fp8> E;
-        const cupa_u32x4 w = {E::half_pair(r.lo, false), E::half_pair(r.lo, true),
-                              E::half_pair(r.hi, false), E::half_pair(r.hi, true)};
-        return w;
+// Two consecutive query elements of type T as a packed pair of the mma type M.
+template <typename T, typename M> struct QPair {
+    CUPA_FN static u32 load(const T* p) {
+        float f[2];
+        Elem<T>::widen_word(*reinterpret_cast<const u32*>(p), f);
+        return Elem<M>::narrow_word(f[0], f[1]);
     }
 };
-// OCP e4m3fn with the hardware conversion where there is one (sm_89+): exact values. Below
-// sm_89 the software widening, so values times 2^-8; variants.fp8_value_power tells the host.
-template <> struct KvLoad<cupa_fp8_e4m3> {
-    typedef Fp8Raw Raw;
-    CUPA_FN static Raw load8(const cupa_fp8_e4m3* p) { return load8_codes(p); }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    // Codes of bytes 0-1 (hi = false) or 2-3 of w as a float16 pair, byte 0 in the low half.
-    CUPA_FN static u32 cvt_pair(u32 w, bool hi) {
-        u32 r;
-        const u16 two = (u16)(hi ? w >> 16 : w & 0xffffu);
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(two));
-        return r;
-    }
-    CUPA_FN static cupa_u32x4 widen(const Raw& r) {
-        const cupa_u32x4 w = {cvt_pair(r.lo, false), cvt_pair(r.lo, true),
-                              cvt_pair(r.hi, false), cvt_pair(r.hi, true)};
-        return w;
-    }
-#else
-    CUPA_FN static cupa_u32x4 widen(const Raw& r) { return KvLoad<cupa_fp8>::widen(r); }
-#endif
-};
-
-// 8 consecutive query elements of type T as packed pairs of the mma type M.
-template <typename T, typename M> struct QLoad {
-    CUPA_FN static cupa_u32x4 load8(const T* p) {
-        float f[8];
-        Elem<T>::widen(load16(p), f);
-        return Elem<M>::narrow(f);
-    }
-};
-template <typename T> struct QLoad<T, T> {
-    CUPA_FN static cupa_u32x4 load8(const T* p) { return load16(p); }
+template <typename T> struct QPair<T, T> {
+    CUPA_FN static u32 load(const T* p) { return *reinterpret_cast<const u32*>(p); }
 };
 
 template <typename T> struct MmaOp;
@@ -131,14 +76,6 @@ template <> struct MmaOp<cupa_bf16> {
     }
 };
 
-CUPA_FN u32 word(const cupa_u32x4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// Half e (0..7) of vector a in the low 16 bits, half e of vector b in the high 16 bits.
-CUPA_FN u32 pair_halves(const cupa_u32x4& a, const cupa_u32x4& b, int e) {
-    return __byte_perm(word(a, e >> 1), word(b, e >> 1), (e & 1) ? 0x7632 : 0x5410);
-}
 
 // Epilogue shared by the mma kernels. Rows come in tiles of TILE_ROWS; the warps of a tile
 // (warps_per_tile consecutive warps) each left its unnormalised output rows, running max and sum
@@ -200,12 +137,13 @@ struct RowMask {
     }
 };
 
+
 // ---- K/V staging ---------------------------------------------------------------------------
 // The workgroup copies its partition's K/V rows into a ring of STAGES chunks of CHUNK tokens in
-// shared memory with cp.async, STAGES - 1 chunks ahead of the chunk the warps compute on. The
-// copies hold no registers while in flight, so a workgroup keeps 24-64 KB of loads outstanding
-// at 130-210 registers a thread, and the warps of every row tile read the same staged rows
-// (each K/V byte crosses from DRAM once per workgroup, whatever the number of rows).
+// shared memory, STAGES - 1 chunks ahead of the chunk the warps compute on. The copies hold no
+// registers while in flight, so a workgroup keeps 24-64 KB of loads outstanding, and the warps of
+// every row tile read the same staged rows (each K/V byte crosses from DRAM once per workgroup,
+// whatever the number of rows).
 
 CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -228,56 +166,48 @@ CUPA_FN u32 dynamic_shared_bytes() {
     return n;
 }
 
-// Layout of one stage: K rows, V rows (CHUNK x D elements of C each), one readable flag per token
-// (0 past the partition's end or for a block id outside the cache; such rows are zero-filled).
-// After the stages: ID_SLOTS slots of CHUNK block ids (the block of each token of a chunk), which
-// arrive by cp.async STAGES - 1 chunks ahead of the K/V copies that need them.
-// variants.DecodeMmaVariant.shared_bytes mirrors BYTES.
+
+// Layout of one stage: K rows, then V rows (CHUNK rows of ROW_BYTES each). After the stages:
+// ID_SLOTS slots of CHUNK block ids (the block of each token of a chunk), which arrive by
+// cp.async STAGES - 1 chunks ahead of the K/V copies that need them and also tell the warps
+// which rows are readable (see KvStream::readable). variants.DecodeMmaVariant.shared_bytes
+// mirrors BYTES.
 template <typename C, int D>
 struct KvRing {
     static constexpr int CHUNK = 16 * (CUPA_THREADS / 32);  // one 16-token step per warp
     static constexpr int ROW_BYTES = D * (int)sizeof(C);
     static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
-    static constexpr int STAGE_BYTES = 2 * KV_BYTES + CHUNK;
+    static constexpr int STAGE_BYTES = 2 * KV_BYTES;
     static constexpr int STAGES = KV_BYTES >= 16384 ? 3 : 4;
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;  // rows one copy instruction covers
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
-    static_assert(STAGE_BYTES % 16 == 0 && CHUNK % ROWS_PER_PASS == 0, "ring layout");
+    static_assert(CHUNK % ROWS_PER_PASS == 0 && ROWS_PER_PASS % 8 == 0,
+                  "ring layout: a thread's copy rows share their swizzle");
 
-    // The units of row r are stored permuted (unit ^ swizzle(r)): the fragment reads of KvStep
-    // touch one unit on each of 2-4 rows at a time, and unpermuted rows would all start on the
-    // same bank. The permutation depends on the element size because the read patterns do.
-    CUPA_FN static int swizzle(int r) {
-        return sizeof(C) == 2 ? ((((r >> 1) & 3) << 1) ^ ((r & 1) << 2))
-                              : (((r & 3) ^ ((r >> 1) & 3)) << 1);
-    }
-    // Byte offset of element e (a multiple of 8) of row r in a stage's K (or V) rows.
-    CUPA_FN static int offset(int r, int e) {
-        const int byte = e * (int)sizeof(C);
-        return r * ROW_BYTES + ((((byte >> 4) ^ swizzle(r)) & (UNITS - 1)) << 4) + (byte & 15);
-    }
+    // Unit u of row r is stored at unit u ^ swizzle(r), so the 8 rows an ldmatrix reads at one
+    // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups; 64-byte rows (fp8
+    // at head 64) pair up in a 128-byte line. (A 16-byte row pad does the same and was measured
+    // 7% slower at 1 GB: it misaligns the 128-byte cp.async writes.)
+    CUPA_FN static int swizzle(int r) { return UNITS >= 8 ? (r & 7) : ((r >> 1) & 3); }
 };
 
 // The copy side of the ring. Thread i copies unit i % UNITS of rows i / UNITS + p * ROWS_PER_PASS
 // of each chunk (a warp covers whole rows: coalesced). The block ids a chunk's copies need come
 // from the ring's id slots, themselves filled by cp.async: those of chunk k travel in the copy
 // group of chunk k - STAGES + 1, so they have landed when the wait for that chunk returns, and no
-// copy ever waits on a block-table read (in v7 each chunk's copies stalled on one).
+// copy ever waits on a block-table read.
 //   groups: [ids 0 .. 2S-3] (waited for in begin), then G_j = {K/V of chunk j, ids of j + S - 1}
 //   stage(i): wait for G_0 .. G_i, copy chunk i + S - 1 (its ids came with G_i), ids of i + 2S - 2
-//   id slot of chunk k: k % 2S; its previous chunk k - 2S was copied at stage k - 3S + 1, before
-//   the barrier of the stage k - 2S + 2 that overwrites it.
+//   id slot of chunk k: k % 2S; its previous chunk k - 2S was computed on before the barrier of
+//   stage k - 2S + 1, and the slot is refilled after the barrier of stage k - 2S + 2.
+// Rows past the partition's end or in a block outside the cache are zero-filled (never read).
 template <typename C, int D>
 struct KvStream {
     typedef KvRing<C, D> R;
-    // Every row a thread copies has the same swizzle (rows r0 + p * ROWS_PER_PASS share their
-    // low three bits, which is all swizzle() reads), so its destinations are one offset plus
-    // compile-time steps, and its sources one per-thread base plus a 32 x 32-bit product.
-    static_assert(R::ROWS_PER_PASS % 8 == 0, "a thread's rows share their swizzle");
     unsigned char* ring;
     const unsigned char* k_src;  // this thread's 16-byte unit of the KV head's rows, block 0
     const unsigned char* v_src;
@@ -286,39 +216,43 @@ struct KvStream {
     int row_mask, shift, end, num_blocks;
     int dst, start, chunks;
 
-    CUPA_FN i32* id_slot(int chunk) const {
-        return reinterpret_cast<i32*>(ring + R::IDS_OFFSET) + (chunk % R::ID_SLOTS) * R::CHUNK;
+    CUPA_FN const i32* id_slot(int chunk) const {
+        return reinterpret_cast<const i32*>(ring + R::IDS_OFFSET) + (chunk % R::ID_SLOTS) * R::CHUNK;
+    }
+
+    // Whether row r of `chunk` holds a token of the partition from a block inside the cache
+    // (valid while the warps compute on the chunk).
+    CUPA_FN bool readable(int chunk, int r) const {
+        return start + chunk * R::CHUNK + r < end && (u32)id_slot(chunk)[r] < (u32)num_blocks;
     }
 
     // Thread t < CHUNK starts copying the block id of token t of `chunk` (zero past the end:
-    // copy_chunk checks the end itself).
+    // the readers check the end themselves).
     CUPA_FN void copy_ids(int chunk) {
         const int t = start + chunk * R::CHUNK + (int)threadIdx.x;
         if ((int)threadIdx.x < R::CHUNK && chunk < chunks) {
             const bool ok = t < end;
-            copy4_async(id_slot(chunk) + threadIdx.x, table + (ok ? t >> shift : 0), ok);
+            i32* slot = const_cast<i32*>(id_slot(chunk)) + threadIdx.x;
+            copy4_async(slot, table + (ok ? t >> shift : 0), ok);
         }
     }
 
     CUPA_FN void copy_chunk(int chunk) {
-        unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES;
+        unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES + dst;
         const i32* ids = id_slot(chunk);
         const int r0 = threadIdx.x / R::UNITS;
         const int t0 = start + chunk * R::CHUNK + r0;
-        const bool flag_writer = threadIdx.x % R::UNITS == 0;
 #pragma unroll
         for (int p = 0; p < R::PASSES; ++p) {
-            const int r = r0 + p * R::ROWS_PER_PASS, t = t0 + p * R::ROWS_PER_PASS;
-            const i32 id = ids[r];
+            const int t = t0 + p * R::ROWS_PER_PASS;
+            const i32 id = ids[r0 + p * R::ROWS_PER_PASS];
             const bool ok = t < end && (u32)id < (u32)num_blocks;
-            // Rows that are not copied read from offset 0 (valid memory, never dereferenced).
-            const u32 block = ok ? (u32)id : 0u;
-            const u32 row = ok ? (u32)((t & row_mask) * R::ROW_BYTES) : 0u;
-            const u64 src = (u64)block * block_bytes + row;
-            unsigned char* to = stage + dst + p * R::ROWS_PER_PASS * R::ROW_BYTES;
+            // A row that is not copied reads nothing; its address stays inside the cache.
+            const u64 src = (u64)(ok ? (u32)id : 0u) * block_bytes +
+                            (u32)((t & row_mask) * R::ROW_BYTES);
+            unsigned char* to = stage + p * R::ROWS_PER_PASS * R::ROW_BYTES;
             copy16_async(to, k_src + src, ok);
             copy16_async(to + R::KV_BYTES, v_src + src, ok);
-            if (flag_writer) stage[2 * R::KV_BYTES + r] = ok;
         }
     }
 
@@ -337,7 +271,8 @@ struct KvStream {
         row_mask = (1 << rows.shift) - 1;
         end = rows.end;
         num_blocks = rows.num_blocks;
-        dst = R::offset(threadIdx.x / R::UNITS, u * (16 / (int)sizeof(C)));
+        const int r0 = threadIdx.x / R::UNITS;
+        dst = r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0));
         start = start_;
         chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
 #pragma unroll
@@ -372,48 +307,119 @@ struct KvStream {
     }
 };
 
-// The K/V fragments of one 16-token step of a warp, read from a stage: lane (g, c) takes K rows
-// g and g + 8 (elements 32b + 8c .. +8, see the header) and V rows 2c, 2c + 1, 2c + 8, 2c + 9
-// (elements 64b + 8g .. +8), as stored; KvLoad widens them at use.
-template <typename C, int D>
+// ---- Fragments ------------------------------------------------------------------------------
+// A warp step covers 16 tokens (rows r0 .. r0 + 15 of a stage). Its K rows are read with
+// ldmatrix.x4 and its V rows with ldmatrix.x4.trans, one instruction per 32-byte column block j
+// of a row: four 8x8 matrices of 16-bit words, rows 0-7 or 8-15 of 16-byte unit 2j or 2j + 1.
+// Lane (g, c) = (lane / 4, lane % 4) receives bytes 4c .. 4c + 3 of K row g (or g + 8), and the
+// 16-bit column g of V rows 2c and 2c + 1 (or 2c + 8, 2c + 9; low half: the even token).
+// The order of the four matrices is chosen per operand so that the words an mma takes
+// together arrive in consecutive registers (no moves): "rows inner" = rows 0-7 and 8-15 of the
+// first unit, then of the second; otherwise both units of rows 0-7, then of rows 8-15.
+CUPA_FN void load_matrices(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+CUPA_FN void load_matrices_transposed(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// What the words mean, per cache type. The summed index of QK (the head dim) may be permuted as
+// long as Q follows: k16 step s multiplies Q elements q_dim(s, h, c), +1 (h = 0: k = 2c, 2c + 1;
+// h = 1: k = 2c + 8, 2c + 9) with k_operand of the K word of unit k_unit(s, h). The output comes
+// in dim tiles tau of 8 head dims taken from V unit v_unit(tau): lane column n of tile tau is
+// head dim dim(tau, n), and v_operand turns a V word into that dim of two tokens.
+// 16-bit caches: a unit is 8 dims, words are mma operands as they are.
+template <typename C> struct Frag {
+    CUPA_FN static int q_dim(int s, int h, int c) { return 16 * s + 8 * h + 2 * c; }
+    CUPA_FN static int k_unit(int s, int h) { return 2 * s + h; }
+    CUPA_FN static u32 k_operand(u32 word, int) { return word; }
+    CUPA_FN static int v_unit(int tau) { return tau; }
+    CUPA_FN static u32 v_operand(u32 word, int) { return word; }
+    CUPA_FN static int dim(int tau, int n) { return 8 * tau + n; }
+};
+
+// fp8 codes of bytes 0-1 (hi = false) or 2-3 of w as a float16 pair, byte 0 in the low half.
+// Software (either e4m3 format, see Elem<cupa_fp8>): values times 2^(bias - 15); OCP e4m3fn on
+// sm_89+ by the hardware conversion: exact values (variants.fp8_value_power tells the host).
+template <typename C> struct Fp8Widen {
+    CUPA_FN static u32 pair(u32 w, bool hi) { return Elem<cupa_fp8>::half_pair(w, hi); }
+};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+template <> struct Fp8Widen<cupa_fp8_e4m3> {
+    CUPA_FN static u32 pair(u32 w, bool hi) {
+        u32 r;
+        const u16 two = (u16)(hi ? w >> 16 : w & 0xffffu);
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(two));
+        return r;
+    }
+};
+#endif
+
+// fp8 caches: a unit is 16 dims, so one K word (4 codes) feeds both halves of a k16 step, and a
+// V word holds dims 2g and 2g + 1 of two tokens, which one byte permute regroups by dim (two dim
+// tiles per unit). Codes are widened to float16 here, at use, so the loads stay in flight.
+template <typename C> struct Fp8Frag {
+    CUPA_FN static int q_dim(int s, int h, int c) { return 16 * s + 4 * c + 2 * h; }
+    CUPA_FN static int k_unit(int s, int) { return s; }
+    CUPA_FN static u32 k_operand(u32 word, int h) { return Fp8Widen<C>::pair(word, h != 0); }
+    CUPA_FN static int v_unit(int tau) { return tau >> 1; }
+    CUPA_FN static u32 v_operand(u32 word, int tau) {
+        return Fp8Widen<C>::pair(__byte_perm(word, 0u, 0x3120), (tau & 1) != 0);
+    }
+    CUPA_FN static int dim(int tau, int n) { return 16 * (tau >> 1) + 2 * n + (tau & 1); }
+};
+template <> struct Frag<cupa_fp8> : Fp8Frag<cupa_fp8> {};
+template <> struct Frag<cupa_fp8_e4m3> : Fp8Frag<cupa_fp8_e4m3> {};
+
+// The K and V words of one warp step, as loaded. K_ROWS_INNER picks the matrix order of K (and
+// the other one for V): the 8-column kernel takes K as an A operand (rows inner), the 16-row
+// kernel as B operands (units inner).
+template <typename C, int D, bool K_ROWS_INNER>
 struct KvStep {
     typedef KvRing<C, D> R;
-    static constexpr int QK_BLOCKS = D / 32;  // 16-byte K vectors per row a lane reads
-    static constexpr int V_VECS = D / 64;     // 8-element V vectors per row a lane reads
-    typedef typename KvLoad<C>::Raw Raw;
-    Raw k0[QK_BLOCKS], k1[QK_BLOCKS], v[4][V_VECS];
-    bool k_valid[2], v_valid[4];
+    typedef Frag<C> F;
+    static constexpr int BLOCKS = R::ROW_BYTES / 32;  // 32-byte column blocks of a row
+    u32 k[BLOCKS][4], v[BLOCKS][4];
 
-    CUPA_FN void load(const unsigned char* stage, int r0, int g, int c) {
-        const unsigned char* k_s = stage;
-        const unsigned char* v_s = stage + R::KV_BYTES;
-        const unsigned char* ok_s = stage + 2 * R::KV_BYTES;
+    // A lane's byte offsets from a step's first row for column blocks j = 0..3 (K, then V);
+    // block j + 4 is 128 bytes past block j (the swizzle only permutes units within 128 bytes).
+    struct Lanes { u32 k[4], v[4]; };
+    CUPA_FN static void lane_offsets(int lane, bool rows_inner, u32* out) {
+        const int matrix = lane >> 3;
+        const int row = (lane & 7) + 8 * (rows_inner ? matrix & 1 : matrix >> 1);
+        const int unit = rows_inner ? matrix >> 1 : matrix & 1;
 #pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            k0[b] = KvLoad<C>::load8(
-                reinterpret_cast<const C*>(k_s + R::offset(r0 + g, 32 * b + 8 * c)));
-            k1[b] = KvLoad<C>::load8(
-                reinterpret_cast<const C*>(k_s + R::offset(r0 + g + 8, 32 * b + 8 * c)));
-        }
-        const int v_rows[4] = {2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-#pragma unroll
-            for (int b = 0; b < V_VECS; ++b)
-                v[t][b] = KvLoad<C>::load8(
-                    reinterpret_cast<const C*>(v_s + R::offset(r0 + v_rows[t], 64 * b + 8 * g)));
-            v_valid[t] = ok_s[r0 + v_rows[t]] != 0;
-        }
-        k_valid[0] = ok_s[r0 + g] != 0;
-        k_valid[1] = ok_s[r0 + g + 8] != 0;
+        for (int j = 0; j < 4; ++j)
+            out[j] = row * R::ROW_BYTES + 16 * ((2 * j + unit) ^ R::swizzle(row));
+    }
+    CUPA_FN static Lanes lanes(int lane) {
+        Lanes l;
+        lane_offsets(lane, K_ROWS_INNER, l.k);
+        lane_offsets(lane, !K_ROWS_INNER, l.v);
+        return l;
+    }
+    CUPA_FN static u32 word(const u32 (*w)[4], int unit, int row_half, bool rows_inner) {
+        return w[unit >> 1][rows_inner ? 2 * (unit & 1) + row_half : (unit & 1) + 2 * row_half];
     }
 
-    // The V vectors as mma-type pairs (see KvLoad).
-    CUPA_FN void widen_v(cupa_u32x4 (*out)[V_VECS]) const {
+    // Rows r0 .. r0 + 15 of a stage (r0 a multiple of 16).
+    CUPA_FN void load(const unsigned char* stage, int r0, const Lanes& l) {
+        const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES;
 #pragma unroll
-        for (int t = 0; t < 4; ++t)
+        for (int j = 0; j < BLOCKS; ++j) load_matrices(k[j], rows + l.k[j & 3] + 128 * (j >> 2));
 #pragma unroll
-            for (int b = 0; b < V_VECS; ++b) out[t][b] = KvLoad<C>::widen(v[t][b]);
+        for (int j = 0; j < BLOCKS; ++j)
+            load_matrices_transposed(v[j], rows + R::KV_BYTES + l.v[j & 3] + 128 * (j >> 2));
+    }
+    // Half h of k16 step s, K rows g (rows = 0) or g + 8, as an mma operand.
+    CUPA_FN u32 k_op(int s, int h, int rows) const {
+        return F::k_operand(word(k, F::k_unit(s, h), rows, K_ROWS_INNER), h);
+    }
+    // Dim tile tau of tokens 2c, 2c + 1 (half 0) or 2c + 8, 2c + 9, as an mma operand.
+    CUPA_FN u32 v_op(int tau, int half) const {
+        return F::v_operand(word(v, F::v_unit(tau), half, !K_ROWS_INNER), tau);
     }
 };
 
@@ -423,11 +429,23 @@ __host__ __device__ constexpr int mma_shared_bytes() {
     return cmax(KvRing<C, D>::BYTES, (CUPA_THREADS / 32) * TILE_ROWS * D * (int)sizeof(float));
 }
 
-// Query elements [offset, offset + 8) of local row r as mma-type pairs; zero past the chunk.
+// Query elements dim, dim + 1 of local row r as an mma-type pair; zero past the chunk.
 template <typename T, typename M, int D>
-CUPA_FN cupa_u32x4 query_or_zero(const T* query, const PartitionWork& w, int r, int offset) {
-    const cupa_u32x4 zero = {0u, 0u, 0u, 0u};
-    return r < w.nh ? QLoad<T, M>::load8(query + w.row_index(r) * D + offset) : zero;
+CUPA_FN u32 query_pair(const T* query, const PartitionWork& w, int r, int dim) {
+    return r < w.nh ? QPair<T, M>::load(query + w.row_index(r) * D + dim) : 0u;
+}
+
+// One row's online-softmax step: the running max m takes in the step's max mx; corr rescales
+// what was summed so far, use is what the step's logits subtract (0 instead of -inf while
+// nothing was readable: exp2 gives 0, never NaN). Returns whether the max moved: when no row of
+// a warp's moved, corr is 1 everywhere and the accumulators need no rescale.
+CUPA_FN bool update_max(float& m, float mx, float& corr, float& use) {
+    const float next = max_f(m, mx);
+    use = next == neg_inf() ? 0.f : next;
+    corr = fast_exp2(m - use);
+    const bool moved = next != m;
+    m = next;
+    return moved;
 }
 
 // ---- 9-64 query rows: rows are the M=16 rows of a warp's m-tile (S = Q K^T, O = P V). ------
@@ -439,12 +457,13 @@ CUPA_FN void decode_partition_mma16(
     CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename MmaTypeOf<T, C>::type M;
     typedef KvRing<C, D> R;
+    typedef Frag<C> F;
     constexpr int TILE_ROWS = 16;           // rows per warp tile = mma M
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int ROWS = TILE_ROWS * NWARPS;
     constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
-    constexpr int QK_BLOCKS = D / 32;       // 32-column blocks of the head dim (2 k16 steps each)
-    constexpr int NT = D / 8;               // n-tiles of the output
+    constexpr int KSTEPS = D / 16;          // k16 steps of the head dim
+    constexpr int NT = D / 8;               // dim tiles = n-tiles of the output
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
 
     extern __shared__ cupa_u32x4 dynamic_shared[];
@@ -468,15 +487,17 @@ CUPA_FN void decode_partition_mma16(
     const int warps_per_tile = NWARPS / tiles;
     const int tile = warp / warps_per_tile, slot = warp % warps_per_tile;
     const int r_lo = tile * TILE_ROWS + g, r_hi = r_lo + 8;  // this lane's local rows
+    const typename KvStep<C, D, false>::Lanes lanes = KvStep<C, D, false>::lanes(lane);
 
-    // Q as A fragments, permuted like K (see the header). Rows past the chunk are zero.
-    u32 qf[QK_BLOCKS][2][4];
+    // Q as A fragments, in the head-dim order of K (Frag::q_dim). Rows past the chunk are zero.
+    u32 qf[KSTEPS][4];
 #pragma unroll
-    for (int b = 0; b < QK_BLOCKS; ++b) {
-        const cupa_u32x4 qa = query_or_zero<T, M, D>(query, w, r_lo, 32 * b + 8 * c);
-        const cupa_u32x4 qb = query_or_zero<T, M, D>(query, w, r_hi, 32 * b + 8 * c);
-        qf[b][0][0] = qa.x; qf[b][0][1] = qb.x; qf[b][0][2] = qa.y; qf[b][0][3] = qb.y;
-        qf[b][1][0] = qa.z; qf[b][1][1] = qb.z; qf[b][1][2] = qa.w; qf[b][1][3] = qb.w;
+    for (int s = 0; s < KSTEPS; ++s) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            qf[s][2 * h] = query_pair<T, M, D>(query, w, r_lo, F::q_dim(s, h, c));
+            qf[s][2 * h + 1] = query_pair<T, M, D>(query, w, r_hi, F::q_dim(s, h, c));
+        }
     }
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     RowMask mask_lo, mask_hi;
@@ -495,37 +516,37 @@ CUPA_FN void decode_partition_mma16(
         const unsigned char* stage = kv.stage(i);
         for (int step = first_step; step < NWARPS; step += warps_per_tile) {
             const int base = w.start + i * R::CHUNK + step * STEP;
-            KvStep<C, D> cur;
-            cur.load(stage, step * STEP, g, c);
+            KvStep<C, D, false> cur;
+            cur.load(stage, step * STEP, lanes);
+            bool v_valid[4];  // tokens 2c, 2c + 1, 2c + 8, 2c + 9 of the step
+#pragma unroll
+            for (int t = 0; t < 4; ++t)
+                v_valid[t] = kv.readable(i, step * STEP + 2 * c + (t & 1) + 8 * (t >> 1));
 
             // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1), each summed in two
-            // independent accumulators (halves of the head dim's k16 steps) to halve the chain
-            // of dependent mma's.
+            // independent accumulators (even and odd k16 steps) to halve the chain of
+            // dependent mma's.
             float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
             float s0b[4] = {0.f, 0.f, 0.f, 0.f}, s1b[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int b = 0; b < QK_BLOCKS; ++b) {
-                const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]);
-                const cupa_u32x4 k1 = KvLoad<C>::widen(cur.k1[b]);
-                MmaOp<M>::run(s0, qf[b][0], k0.x, k0.y);
-                MmaOp<M>::run(s0b, qf[b][1], k0.z, k0.w);
-                MmaOp<M>::run(s1, qf[b][0], k1.x, k1.y);
-                MmaOp<M>::run(s1b, qf[b][1], k1.z, k1.w);
+            for (int s = 0; s < KSTEPS; ++s) {
+                MmaOp<M>::run((s & 1) ? s0b : s0, qf[s], cur.k_op(s, 0, 0), cur.k_op(s, 1, 0));
+                MmaOp<M>::run((s & 1) ? s1b : s1, qf[s], cur.k_op(s, 0, 1), cur.k_op(s, 1, 1));
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 s0[e] += s0b[e];
                 s1[e] += s1b[e];
             }
-            // Scale, soft-cap, ALiBi, masks. Element i: row r_lo (i & 2 == 0) or r_hi, V token
-            // (i & 1) | (i & 4) >> 1.
+            // Scale, soft-cap, ALiBi, masks. Element e: row r_lo (e & 2 == 0) or r_hi, token
+            // 2c + (e & 1) + 8 (e >> 2).
             float s[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const int tok = (e & 1) | ((e & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
                 const int t = base + 2 * c + (e & 1) + (e & 4 ? 8 : 0);
                 const float raw = e < 4 ? s0[e] : s1[e - 4];
-                s[e] = ((e & 2) ? mask_hi : mask_lo).logit(raw, t, cur.v_valid[tok], qk_scale,
+                s[e] = ((e & 2) ? mask_hi : mask_lo).logit(raw, t, v_valid[tok], qk_scale,
                                                            soft_cap);
             }
             // Online softmax per row; the four lanes of a quad share a row.
@@ -535,13 +556,9 @@ CUPA_FN void decode_partition_mma16(
             mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
             mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
             mx_hi = max_f(mx_hi, warp_xor(mx_hi, 2));
-            const float new_lo = max_f(m_lo, mx_lo), new_hi = max_f(m_hi, mx_hi);
-            // Subtract 0 instead of -inf while nothing was readable: exp2 gives 0, never NaN.
-            const float use_lo = new_lo == neg_inf() ? 0.f : new_lo;
-            const float use_hi = new_hi == neg_inf() ? 0.f : new_hi;
-            const float corr_lo = fast_exp2(m_lo - use_lo), corr_hi = fast_exp2(m_hi - use_hi);
-            m_lo = new_lo;
-            m_hi = new_hi;
+            float corr_lo, corr_hi, use_lo, use_hi;
+            const bool moved = update_max(m_lo, mx_lo, corr_lo, use_lo) |
+                               update_max(m_hi, mx_hi, corr_hi, use_hi);
             float p[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) p[e] = fast_exp2(s[e] - ((e & 2) ? use_hi : use_lo));
@@ -553,16 +570,16 @@ CUPA_FN void decode_partition_mma16(
             pf[1] = MmaOp<M>::pack(p[2], p[3]);
             pf[2] = MmaOp<M>::pack(p[4], p[5]);
             pf[3] = MmaOp<M>::pack(p[6], p[7]);
-            cupa_u32x4 v[4][KvStep<C, D>::V_VECS];
-            cur.widen_v(v);
+            if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
-                acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
-                const int b = j >> 3, e = j & 7;
-                MmaOp<M>::run(acc[j], pf, pair_halves(v[0][b], v[1][b], e),
-                              pair_halves(v[2][b], v[3][b], e));
+                for (int j = 0; j < NT; ++j) {
+                    acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
+                    acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
+                }
             }
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                MmaOp<M>::run(acc[j], pf, cur.v_op(j, 0), cur.v_op(j, 1));
         }
     }
     kv.end_copies();
@@ -579,11 +596,11 @@ CUPA_FN void decode_partition_mma16(
     }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        const int d = 64 * (j >> 3) + 16 * c + (j & 7);
-        o_s[warp][g][d] = acc[j][0];
-        o_s[warp][g][d + 8] = acc[j][1];
-        o_s[warp][g + 8][d] = acc[j][2];
-        o_s[warp][g + 8][d + 8] = acc[j][3];
+        const int d0 = F::dim(j, 2 * c), d1 = F::dim(j, 2 * c + 1);
+        o_s[warp][g][d0] = acc[j][0];
+        o_s[warp][g][d1] = acc[j][1];
+        o_s[warp][g + 8][d0] = acc[j][2];
+        o_s[warp][g + 8][d1] = acc[j][3];
     }
     __syncthreads();
     merge_warps_and_store<T, D, TILE_ROWS, NWARPS>(
@@ -592,12 +609,10 @@ CUPA_FN void decode_partition_mma16(
 }
 
 // ---- Up to 8 query rows: rows are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------------
-// Half the registers and mma work of the 16-row form when the rows fit in 8. K and V rows are
-// the A operands, read 16 bytes at a time with the same index permutations as above (for V the
-// permuted index is the head dim: m-tile i, row g <-> column d(i), row g + 8 <-> d(MT + i) with
-// d(k) = 64 (k / 8) + 8 g + k % 8, so a lane's V elements are the 8g.. vectors KvStep reads for
-// the 16-row form too). P^T reaches the B layout of the PV product through one movmatrix
-// transpose per 8x8 tile. Each warp takes one 16-token step of every staged chunk.
+// Half the registers and mma work of the 16-row form when the rows fit in 8. K rows are the A
+// operand of S^T (m = token), V^T that of O^T (m = head dim: m-tile i is dim tiles 2i and 2i + 1,
+// rows g and g + 8). P^T reaches the B layout of the PV product through one movmatrix transpose
+// per 8x8 tile. Each warp takes one 16-token step of every staged chunk.
 CUPA_FN u32 transpose8x8(u32 x) {
     u32 y;
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
@@ -609,10 +624,11 @@ CUPA_FN void decode_partition_mma8(
     CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename MmaTypeOf<T, C>::type M;
     typedef KvRing<C, D> R;
+    typedef Frag<C> F;
     constexpr int HT = 8;                   // rows per workgroup = mma N
     constexpr int NWARPS = CUPA_THREADS / 32;
     constexpr int STEP = 16;
-    constexpr int QK_BLOCKS = D / 32;
+    constexpr int KSTEPS = D / 16;
     constexpr int MT = D / 16;              // m-tiles of the output (head-dim rows)
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
     static_assert(R::CHUNK == NWARPS * STEP, "one step per warp and chunk");
@@ -634,17 +650,20 @@ CUPA_FN void decode_partition_mma8(
              w.start);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
+    const typename KvStep<C, D, true>::Lanes lanes = KvStep<C, D, true>::lanes(lane);
 
-    // Q^T as B fragments: lane (g, c) holds row g, columns 32b + 8c .. +8.
-    cupa_u32x4 qv[QK_BLOCKS];
+    // Q^T as B fragments: row g, in the head-dim order of K (Frag::q_dim).
+    u32 qb[KSTEPS][2];
 #pragma unroll
-    for (int b = 0; b < QK_BLOCKS; ++b) qv[b] = query_or_zero<T, M, D>(query, w, g, 32 * b + 8 * c);
+    for (int s = 0; s < KSTEPS; ++s)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) qb[s][h] = query_pair<T, M, D>(query, w, g, F::q_dim(s, h, c));
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     RowMask mask_e, mask_o;  // rows 2c and 2c + 1, this lane's columns
     mask_e.init(w, 2 * c, alibi_slopes, sliding_window);
     mask_o.init(w, 2 * c + 1, alibi_slopes, sliding_window);
 
-    float acc[MT][4];  // O^T: rows d(i, g) / d(i, g+8), columns heads 2c, 2c + 1
+    float acc[MT][4];  // O^T: rows dims F::dim(2i, g) / F::dim(2i + 1, g), columns rows 2c, 2c+1
 #pragma unroll
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m_e = neg_inf(), m_o = neg_inf();  // running max of rows 2c and 2c + 1
@@ -653,19 +672,19 @@ CUPA_FN void decode_partition_mma8(
     for (int chunk = 0; chunk < kv.chunks; ++chunk) {
         const unsigned char* stage = kv.stage(chunk);
         const int base = w.start + chunk * R::CHUNK + warp * STEP;
-        KvStep<C, D> cur;
-        cur.load(stage, warp * STEP, g, c);
+        KvStep<C, D, true> cur;
+        cur.load(stage, warp * STEP, lanes);
+        const bool k_valid[2] = {kv.readable(chunk, warp * STEP + g),
+                                 kv.readable(chunk, warp * STEP + g + 8)};
 
-        // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), heads 2c, 2c+1;
-        // two independent accumulators (see the 16-row kernel) summed at the end.
+        // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), rows 2c, 2c+1;
+        // two independent accumulators (even and odd k16 steps) summed at the end.
         float st[4] = {0.f, 0.f, 0.f, 0.f}, st2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int b = 0; b < QK_BLOCKS; ++b) {
-            const cupa_u32x4 k0 = KvLoad<C>::widen(cur.k0[b]), k1 = KvLoad<C>::widen(cur.k1[b]);
-            const u32 a1[4] = {k0.x, k1.x, k0.y, k1.y};
-            const u32 a2[4] = {k0.z, k1.z, k0.w, k1.w};
-            MmaOp<M>::run(st, a1, qv[b].x, qv[b].y);
-            MmaOp<M>::run(st2, a2, qv[b].z, qv[b].w);
+        for (int s = 0; s < KSTEPS; ++s) {
+            const u32 a[4] = {cur.k_op(s, 0, 0), cur.k_op(s, 0, 1), cur.k_op(s, 1, 0),
+                              cur.k_op(s, 1, 1)};
+            MmaOp<M>::run((s & 1) ? st2 : st, a, qb[s][0], qb[s][1]);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) st[i] += st2[i];
@@ -673,7 +692,7 @@ CUPA_FN void decode_partition_mma8(
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             s[i] = ((i & 1) ? mask_o : mask_e).logit(st[i], base + g + 8 * (i >> 1),
-                                                     cur.k_valid[i >> 1], qk_scale, soft_cap);
+                                                     k_valid[i >> 1], qk_scale, soft_cap);
         // Online softmax per row (column): the 8 lanes with the same c share a row pair.
         float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
 #pragma unroll
@@ -681,12 +700,9 @@ CUPA_FN void decode_partition_mma8(
             mx_e = max_f(mx_e, warp_xor(mx_e, mask));
             mx_o = max_f(mx_o, warp_xor(mx_o, mask));
         }
-        const float new_e = max_f(m_e, mx_e), new_o = max_f(m_o, mx_o);
-        const float use_e = new_e == neg_inf() ? 0.f : new_e;
-        const float use_o = new_o == neg_inf() ? 0.f : new_o;
-        const float corr_e = fast_exp2(m_e - use_e), corr_o = fast_exp2(m_o - use_o);
-        m_e = new_e;
-        m_o = new_o;
+        float corr_e, corr_o, use_e, use_o;
+        const bool moved = update_max(m_e, mx_e, corr_e, use_e) |
+                           update_max(m_o, mx_o, corr_o, use_o);
         const float p0 = fast_exp2(s[0] - use_e), p1 = fast_exp2(s[1] - use_o);
         const float p2 = fast_exp2(s[2] - use_e), p3 = fast_exp2(s[3] - use_o);
         l_e = l_e * corr_e + p0 + p2;
@@ -694,18 +710,17 @@ CUPA_FN void decode_partition_mma8(
         // P^T tiles (tokens x rows) -> B fragments: row g, tokens 2c, 2c+1 (+8).
         const u32 pb0 = transpose8x8(MmaOp<M>::pack(p0, p1));
         const u32 pb1 = transpose8x8(MmaOp<M>::pack(p2, p3));
-        cupa_u32x4 v[4][KvStep<C, D>::V_VECS];
-        cur.widen_v(v);
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                acc[i][0] *= corr_e; acc[i][1] *= corr_o;
+                acc[i][2] *= corr_e; acc[i][3] *= corr_o;
+            }
+        }
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-            acc[i][0] *= corr_e; acc[i][1] *= corr_o;
-            acc[i][2] *= corr_e; acc[i][3] *= corr_o;
-            // Head-dim rows d(i) (lane row g) and d(MT + i) (row g + 8); see above.
-            const int lo = i, hi = MT + i;
-            const u32 a[4] = {pair_halves(v[0][lo >> 3], v[1][lo >> 3], lo & 7),
-                              pair_halves(v[0][hi >> 3], v[1][hi >> 3], hi & 7),
-                              pair_halves(v[2][lo >> 3], v[3][lo >> 3], lo & 7),
-                              pair_halves(v[2][hi >> 3], v[3][hi >> 3], hi & 7)};
+            const u32 a[4] = {cur.v_op(2 * i, 0), cur.v_op(2 * i + 1, 0), cur.v_op(2 * i, 1),
+                              cur.v_op(2 * i + 1, 1)};
             MmaOp<M>::run(acc[i], a, pb0, pb1);
         }
     }
@@ -723,8 +738,7 @@ CUPA_FN void decode_partition_mma8(
     }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-        const int d_lo = 64 * (i >> 3) + 8 * g + (i & 7);
-        const int d_hi = 64 * ((MT + i) >> 3) + 8 * g + ((MT + i) & 7);
+        const int d_lo = F::dim(2 * i, g), d_hi = F::dim(2 * i + 1, g);
         o_s[warp][2 * c][d_lo] = acc[i][0];
         o_s[warp][2 * c + 1][d_lo] = acc[i][1];
         o_s[warp][2 * c][d_hi] = acc[i][2];
