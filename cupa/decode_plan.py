@@ -107,13 +107,15 @@ class DecodePlan:
             return
         from .device import device_info
         from .gpu import allocate_workspace, kernel_kv_scales
+        from .occupancy import resident_workgroups
         from .plan import make_plan
         cupy = arrays.cupy_module()
         info = device_info()
         self._device_index = info.index
         self._launch_plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
                                       partition_size=partition_size, max_seq_len=max_seq_len,
-                                      max_query_len=self.max_query_len)
+                                      max_query_len=self.max_query_len,
+                                      residency=lambda v: resident_workgroups(v, info))
         self._workspace = allocate_workspace(self._launch_plan, shape)
         self._kv_scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale,
                                            self.v_scale, info.index)

@@ -53,6 +53,10 @@ class DeviceInfo:
     warp_size: int  # as the device reports it
     multiprocessors: int
     shared_memory_per_block: int
+    # For the planner's residency estimate (cupa.occupancy); 0 when the runtime does not say.
+    shared_memory_per_sm: int = 0
+    registers_per_sm: int = 65536
+    reserved_shared_per_block: int = 0
 
 
 def device_info(index: int | None = None) -> DeviceInfo:
@@ -78,5 +82,8 @@ def _device_info(index: int) -> DeviceInfo:
     target = Target(arch) if warp == Target(arch).warp_size else Target(arch, warp)
     return DeviceInfo(index=index, name=name, target=target, warp_size=warp,
                       multiprocessors=int(props["multiProcessorCount"]),
-                      shared_memory_per_block=int(props.get("sharedMemPerBlock", 48 * 1024)))
+                      shared_memory_per_block=int(props.get("sharedMemPerBlock", 48 * 1024)),
+                      shared_memory_per_sm=int(props.get("sharedMemPerMultiprocessor", 0)),
+                      registers_per_sm=int(props.get("regsPerMultiprocessor", 65536)),
+                      reserved_shared_per_block=int(props.get("reservedSharedMemPerBlock", 0)))
 

@@ -36,8 +36,10 @@ def _round_up(value: int, multiple: int) -> int:
 
 def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
               partition_size: int | None = None, max_seq_len: int | None = None,
-              max_query_len: int = 1) -> LaunchPlan:
-    """max_query_len: the most new tokens of a sequence (1 without query_start_loc)."""
+              max_query_len: int = 1, residency=None) -> LaunchPlan:
+    """max_query_len: the most new tokens of a sequence (1 without query_start_loc).
+    residency: variant -> workgroups a multiprocessor holds at once (cupa.occupancy on the GPU);
+    without it, the variant's workgroups_per_sm."""
     rows = shape.group * max_query_len  # query rows per (sequence, KV head)
     variant = variants.decode_variant(shape.dtype, shape.head_size, rows, arch, shape.kv_format)
     head_chunks = -(-rows // variant.rows)
@@ -48,10 +50,18 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
             longest = min(longest, shape.sliding_window)
         workgroups = shape.num_seqs * shape.num_kv_heads * head_chunks
         # The variant says how short a partition may be (below that the fixed cost of a
-        # workgroup outweighs the parallelism) and how many workgroups fill the device.
-        # Splits are rounded to nearest: a grid just short of the target is not worth a reduce.
+        # workgroup outweighs the parallelism) and how many workgroups a multiprocessor should
+        # get: long partitions at that density beat shorter ones filling every slot (sweeps in
+        # docs/perf.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
+        # target is not worth a reduce.
         wanted = variant.workgroups_per_sm * multiprocessors
         splits = max(1, round(wanted / max(workgroups, 1)))
+        # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
+        # two full waves; halved partitions make it three half-length waves.
+        resident = (residency(variant) if residency is not None
+                    else variant.workgroups_per_sm) * multiprocessors
+        if splits == 1 and resident < workgroups <= 1.5 * resident:
+            splits = 2
         if splits == 1:
             partition_size = capacity
         else:

@@ -137,9 +137,10 @@ class DecodeMmaVariant(_TwoPhase):
     cache: str | None = None
     source_file = "decode_mma.cu"
     # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
-    # ring of a float16 head-128 workgroup is 96 KB). Shorter partitions and more waves were
-    # measured slower (docs/perf.md, v3-v4): each partition's fixed cost and the reduce pass
-    # outweigh the better balance.
+    # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
+    # measured slower (docs/perf.md, v3-v4), and so was filling the 3 slots the fp8 and head-64
+    # kernels have (v9): each partition's fixed cost and the reduce pass outweigh the better
+    # balance. The residency itself (cupa.occupancy) only decides wave quantisation (plan.py).
     min_partition = 256
     workgroups_per_sm = 2
 

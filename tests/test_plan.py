@@ -127,3 +127,32 @@ def test_grid_limits():
 def test_forced_partition_size_covering_the_capacity_is_single():
     plan = make_plan(shape(seq_len=1000), H200_SMS, arch="sm_90", partition_size=4096)
     assert plan.single_partition and plan.partition_size == plan.max_partitions * 1008
+
+
+# H200 properties as cupy reports them (sharedMemPerMultiprocessor, regsPerMultiprocessor,
+# reservedSharedMemPerBlock); registers per thread from tools/kernel_regs.py on that device.
+H200_LIMITS = dict(registers_per_sm=65536, shared_per_sm=233472, reserved_shared=1024)
+
+
+@pytest.mark.parametrize("dtype, head_size, heads, cache, registers, expected", [
+    ("float16", 128, 8, None, 135, 2),                    # the 98 KB ring limits it
+    ("float16", 128, 8, variants.FP8_E4M3_NATIVE, 126, 3),  # half the ring
+    ("float16", 64, 8, None, 100, 3),
+    ("float16", 64, 8, variants.FP8_E4M3_NATIVE, 94, 5),  # registers limit it
+    ("float16", 128, 16, None, 200, 2),                   # registers and ring both
+])
+def test_residency_of_the_tensor_core_kernels(dtype, head_size, heads, cache, registers, expected):
+    from cupa.occupancy import workgroups_per_sm
+    v = variants.DecodeMmaVariant(dtype, head_size, heads, cache)
+    assert workgroups_per_sm(registers, v.shared_bytes, variants.THREADS, **H200_LIMITS) == expected
+
+
+def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
+    fp8 = shape(batch=64, seq_len=4096, kv_format="fp8_e4m3")  # 512 workgroups
+    # 2 resident a multiprocessor: 1.9 waves, one partition; 3 resident: 1.3 waves, two halves.
+    assert make_plan(fp8, H200_SMS, arch="sm_90", residency=lambda v: 2).max_partitions == 1
+    three = make_plan(fp8, H200_SMS, arch="sm_90", residency=lambda v: 3)
+    assert three.max_partitions == 2 and three.partition_size == 2048
+    # Beyond one and a half waves the halves would make as many waves: left alone.
+    assert make_plan(shape(batch=128, seq_len=4096), H200_SMS, arch="sm_90",
+                     residency=lambda v: 3).max_partitions == 1
