@@ -27,13 +27,12 @@ def workgroups_per_sm(registers_per_thread: int, shared_bytes: int, threads: int
     return max(1, min(by_registers, by_shared, MAX_WORKGROUPS))
 
 
-def resident_workgroups(variant, info) -> int:
-    """Residency of `variant`'s phase-1 kernel on the device of `info` (compiles it if needed).
-
-    Variants without a dynamic shared-memory ring keep their tuned hint
-    (variant.workgroups_per_sm): their residency is not what limits them."""
+def resident_workgroups(variant, info) -> int | None:
+    """Residency of `variant`'s phase-1 kernel on the device of `info` (compiles it if needed);
+    None for the portable kernels (no shared-memory ring; on AMD the rule it feeds was never
+    measured) and where the runtime does not report shared memory per multiprocessor."""
     if not getattr(variant, "shared_bytes", 0) or info.shared_memory_per_sm <= 0:
-        return variant.workgroups_per_sm
+        return None
     from . import compiler, variants
     kernel = compiler.kernels(variant, info.index)[variant.partition_name]
     return workgroups_per_sm(int(kernel.num_regs), variant.shared_bytes, variants.THREADS,

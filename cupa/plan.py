@@ -38,8 +38,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
               partition_size: int | None = None, max_seq_len: int | None = None,
               max_query_len: int = 1, residency=None) -> LaunchPlan:
     """max_query_len: the most new tokens of a sequence (1 without query_start_loc).
-    residency: variant -> workgroups a multiprocessor holds at once (cupa.occupancy on the GPU);
-    without it, the variant's workgroups_per_sm."""
+    residency: variant -> workgroups a multiprocessor holds at once, or None where unknown
+    (cupa.occupancy on the GPU); it decides the wave-quantisation step, skipped without it."""
     rows = shape.group * max_query_len  # query rows per (sequence, KV head)
     variant = variants.decode_variant(shape.dtype, shape.head_size, rows, arch, shape.kv_format)
     head_chunks = -(-rows // variant.rows)
@@ -58,9 +58,9 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         splits = max(1, round(wanted / max(workgroups, 1)))
         # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
         # two full waves; halved partitions make it three half-length waves.
-        resident = (residency(variant) if residency is not None
-                    else variant.workgroups_per_sm) * multiprocessors
-        if splits == 1 and resident < workgroups <= 1.5 * resident:
+        per_sm = residency(variant) if residency is not None else None
+        resident = (per_sm or 0) * multiprocessors
+        if splits == 1 and resident and resident < workgroups <= 1.5 * resident:
             splits = 2
         if splits == 1:
             partition_size = capacity

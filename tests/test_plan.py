@@ -156,3 +156,6 @@ def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
     # Beyond one and a half waves the halves would make as many waves: left alone.
     assert make_plan(shape(batch=128, seq_len=4096), H200_SMS, arch="sm_90",
                      residency=lambda v: 3).max_partitions == 1
+    # Unknown residency (no GPU, or the portable kernels): no such step.
+    assert make_plan(fp8, H200_SMS, arch="sm_90").max_partitions == 1
+    assert make_plan(fp8, H200_SMS, arch="sm_90", residency=lambda v: None).max_partitions == 1
