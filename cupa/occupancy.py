@@ -9,6 +9,8 @@ properties.
 
 from __future__ import annotations
 
+import functools
+
 # CUDA allocates registers per warp in units of 256 and reserves 1 KB of shared memory per
 # workgroup (reservedSharedMemPerBlock); the per-multiprocessor limit on workgroups is 32.
 REGISTER_UNIT = 256
@@ -27,8 +29,10 @@ def workgroups_per_sm(registers_per_thread: int, shared_bytes: int, threads: int
     return max(1, min(by_registers, by_shared, MAX_WORKGROUPS))
 
 
+@functools.lru_cache(maxsize=None)
 def resident_workgroups(variant, info) -> int | None:
-    """Residency of `variant`'s phase-1 kernel on the device of `info` (compiles it if needed);
+    """Residency of `variant`'s phase-1 kernel on the device of `info` (compiles it if needed;
+    cached, since `cupa.decode` plans every call and the register count is a driver query);
     None for the portable kernels (no shared-memory ring; on AMD the rule it feeds was never
     measured) and where the runtime does not report shared memory per multiprocessor."""
     if not getattr(variant, "shared_bytes", 0) or info.shared_memory_per_sm <= 0:
