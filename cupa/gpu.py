@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arrays import cupy_module
+from . import chained_launch
 from .compiler import kernels as compiled_kernels
+from .device import device_info
 from .plan import LaunchPlan
 from .validation import DecodeShape
 from . import variants
@@ -86,8 +88,16 @@ def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_in
         shared_mem=plan.variant.shared_bytes)
     if not plan.single_partition:
         reduce_grid = (shape.num_heads, plan.max_query_len, shape.num_seqs)
-        kernels[plan.variant.reduce_name](reduce_grid, (variants.THREADS,), (
+        reduce_args = (
             out, _ptr(lse), workspace.part_acc, workspace.part_max, workspace.part_sum, seq_lens,
             _ptr(query_start_loc), _ptr(sinks), i32(shape.sliding_window),
             i32(shape.num_tokens), i32(shape.num_heads), i32(shape.head_size),
-            i32(plan.partition_size), i32(plan.max_partitions), i32(shape.capacity)))
+            i32(plan.partition_size), i32(plan.max_partitions), i32(shape.capacity))
+        reduce = kernels[plan.variant.reduce_name]
+        arch = device_info(device_index).target.arch
+        if variants.chains_reduce(arch) and chained_launch.available():
+            stream = cupy_module().cuda.get_current_stream().ptr
+            chained_launch.launch_dependent(reduce, reduce_grid, (variants.THREADS, 1, 1),
+                                            reduce_args, stream)
+        else:
+            reduce(reduce_grid, (variants.THREADS,), reduce_args)

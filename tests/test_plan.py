@@ -159,3 +159,32 @@ def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
     # Unknown residency (no GPU, or the portable kernels): no such step.
     assert make_plan(fp8, H200_SMS, arch="sm_90").max_partitions == 1
     assert make_plan(fp8, H200_SMS, arch="sm_90", residency=lambda v: None).max_partitions == 1
+
+
+@pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
+                                           ("sm_90a", True), ("gfx942", False)])
+def test_reduce_is_chained_from_sm90(monkeypatch, arch, chained):
+    monkeypatch.delenv("CUPA_CHAINED_REDUCE", raising=False)
+    assert variants.chains_reduce(arch) is chained
+    monkeypatch.setenv("CUPA_CHAINED_REDUCE", "0")
+    assert not variants.chains_reduce(arch)
+
+
+def test_chained_launch_arguments_keep_their_c_types():
+    """What cuLaunchKernelEx receives for each kind of argument gpu.launch passes."""
+    import ctypes
+
+    import numpy as np
+
+    from cupa import chained_launch
+
+    class DeviceArray:  # what the launcher reads of a cupy array
+        class data:
+            ptr = 0xDEAD000
+
+    assert chained_launch._argument(DeviceArray()).value == 0xDEAD000
+    assert isinstance(chained_launch._argument(np.uint64(0)), ctypes.c_uint64)
+    assert chained_launch._argument(np.int32(-7)).value == -7
+    assert chained_launch._argument(np.float32(0.5)).value == 0.5
+    with pytest.raises(TypeError, match="unsupported kernel argument"):
+        chained_launch._argument(3)  # a Python int would be ambiguous: never passed

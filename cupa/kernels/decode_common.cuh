@@ -188,9 +188,29 @@ CUPA_FN PagedRows paged_rows(const PartitionWork& w, const i32* block_tables, in
     return r;
 }
 
+// Programmatic dependent launch (sm_90): the host launches the reduce as a dependent of
+// phase 1 (cupa/chained_launch.py), so its workgroups start while phase 1's last wave runs and
+// wait here, after their own setup, until phase 1 has finished and its writes are visible.
+// Without that launch attribute, and on other targets, these are no-ops.
+CUPA_FN void wait_for_primary_grid() {
+#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+CUPA_FN void allow_dependent_grid() {
+#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Phase 2: merge the partitions of one query row (grid x = head, y = new token, z = sequence).
-// Partitions are visited in chunks of CUPA_THREADS, so there is no compile-time cap on their
-// number.
+// This pass sits between phase 1 and the output, so its latency is what counts, and that is
+// the number of dependent memory round trips. Warp w merges partitions w, w + NWARPS, ... with
+// an online max (lane l owns 16-byte column groups l, l + CUPA_WARP, ...), so a warp's loads of
+// max, sum and partial output for all its partitions are independent and issued together; one
+// barrier and a merge of NWARPS rows through shared memory finish the row. (The first form
+// reduced max and sum across the workgroup before reading the columns: ~5 us a call,
+// docs/perf.md v10.)
 template <typename T>
 CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
                            const float* __restrict__ part_acc, const float* __restrict__ part_max,
@@ -200,9 +220,10 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
                            i32 num_heads, i32 head_size, i32 partition_size, i32 max_partitions,
                            i32 capacity) {
     constexpr int NWARPS = CUPA_THREADS / CUPA_WARP;
-    __shared__ float w_s[CUPA_THREADS];
-    __shared__ float warp_s[NWARPS];
-    __shared__ float global_max_s, total_s;
+    constexpr int MAX_D = 256;
+    constexpr int GROUPS = MAX_D / 4 / CUPA_WARP;  // 16-byte column groups per lane (at most)
+    __shared__ float m_s[NWARPS], l_s[NWARPS];
+    __shared__ float o_s[NWARPS][MAX_D];
 
     const int tid = threadIdx.x, warp = tid / CUPA_WARP, lane = tid % CUPA_WARP;
     const int seq = blockIdx.z;
@@ -217,69 +238,62 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
     const float* pm = part_max + head * max_partitions + first;
     const float* ps = part_sum + head * max_partitions + first;
     const float* pa = part_acc + (head * max_partitions + first) * head_size;
-    const float sink = sink_of(sinks, head, num_heads);
+    wait_for_primary_grid();
 
-    float m = neg_inf();
-    for (int p = tid; p < n; p += CUPA_THREADS) m = max_f(m, pm[p]);
-    m = warp_max(m);
-    if (lane == 0) warp_s[warp] = m;
-    __syncthreads();
-    if (tid == 0) {
-        float v = warp_s[0];
-        for (int w = 1; w < NWARPS; ++w) v = max_f(v, warp_s[w]);
-        global_max_s = v;
-    }
-    __syncthreads();
-    const float global_max = global_max_s;
-
-    if (global_max == neg_inf()) {  // empty sequence (or nothing readable)
-        for (int d = tid; d < head_size; d += CUPA_THREADS)
-            Elem<T>::store(out + head * head_size + d, 0.0f);
-        if (lse != nullptr && tid == 0) finish_head(neg_inf(), 0.f, sink, lse[head]);
-        return;
-    }
-
-    float total = 0.0f;
-    for (int p = tid; p < n; p += CUPA_THREADS) total += fast_exp2(pm[p] - global_max) * ps[p];
-    total = warp_sum(total);
-    __syncthreads();
-    if (lane == 0) warp_s[warp] = total;
-    __syncthreads();
-    if (tid == 0) {
-        float v = 0.0f;
-        for (int w = 0; w < NWARPS; ++w) v += warp_s[w];
-        total_s = v;
-    }
-
-    // Each thread owns columns d = tid, tid + CUPA_THREADS, ... (at most 2 for head sizes <= 256).
-    constexpr int MAX_COLS = (256 + CUPA_THREADS - 1) / CUPA_THREADS;
-    float col[MAX_COLS];
+    float m = neg_inf(), l = 0.0f;  // this warp's running max (log2 domain) and sum
+    float acc[GROUPS][4];
 #pragma unroll
-    for (int c = 0; c < MAX_COLS; ++c) col[c] = 0.0f;
-    for (int base = 0; base < n; base += CUPA_THREADS) {
-        __syncthreads();
-        const int p = base + tid;
-        w_s[tid] = p < n ? fast_exp2(pm[p] - global_max) : 0.0f;
-        __syncthreads();
-        const int count = cmin(CUPA_THREADS, n - base);
-        // Unrolled so that several partitions' loads are in flight at once.
+    for (int g = 0; g < GROUPS; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.0f;
 #pragma unroll 8
-        for (int j = 0; j < count; ++j) {
-            const float w = w_s[j];
-            const float* row = pa + (i64)(base + j) * head_size;
+    for (int p = warp; p < n; p += NWARPS) {
+        const float mp = pm[p], sp = ps[p];
+        float v[GROUPS][4];
 #pragma unroll
-            for (int c = 0; c < MAX_COLS; ++c) {
-                const int d = tid + c * CUPA_THREADS;
-                if (d < head_size) col[c] += w * row[d];
-            }
+        for (int g = 0; g < GROUPS; ++g) {
+            const int col = 4 * (lane + g * CUPA_WARP);
+            cupa_u32x4 w = {0u, 0u, 0u, 0u};
+            if (col < head_size)
+                w = *reinterpret_cast<const cupa_u32x4*>(pa + (i64)p * head_size + col);
+            v[g][0] = bits_to_float(w.x); v[g][1] = bits_to_float(w.y);
+            v[g][2] = bits_to_float(w.z); v[g][3] = bits_to_float(w.w);
         }
-    }
-    float lse_value;
-    const float factor = finish_head(global_max, total_s, sink, lse_value);
+        const float next = max_f(m, mp);
+        if (next == neg_inf()) continue;  // nothing readable so far
+        const float keep = fast_exp2(m - next), take = fast_exp2(mp - next);
+        l = l * keep + sp * take;
 #pragma unroll
-    for (int c = 0; c < MAX_COLS; ++c) {
-        const int d = tid + c * CUPA_THREADS;
-        if (d < head_size) Elem<T>::store(out + head * head_size + d, col[c] * factor);
+        for (int g = 0; g < GROUPS; ++g)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[g][e] = acc[g][e] * keep + v[g][e] * take;
+        m = next;
+    }
+    if (lane == 0) {
+        m_s[warp] = m;
+        l_s[warp] = l;
+    }
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+        const int col = 4 * (lane + g * CUPA_WARP);
+        if (col < head_size)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_s[warp][col + e] = acc[g][e];
+    }
+    __syncthreads();
+
+    float top = neg_inf();
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) top = max_f(top, m_s[w]);
+    const float use = top == neg_inf() ? 0.f : top;  // an empty sequence: zeros
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) total += fast_exp2(m_s[w] - use) * l_s[w];
+    float lse_value;
+    const float factor = finish_head(top, total, sink_of(sinks, head, num_heads), lse_value);
+    for (int d = tid; d < head_size; d += CUPA_THREADS) {
+        float o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) o += fast_exp2(m_s[w] - use) * o_s[w][d];
+        Elem<T>::store(out + head * head_size + d, o * factor);
     }
     if (lse != nullptr && tid == 0) lse[head] = lse_value;
 }

@@ -756,5 +756,6 @@ CUPA_FN void decode_partition_mma8(
 #define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, C, D)                                           \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS)             \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
+        cupa::allow_dependent_grid(); /* the reduce may start its setup now */                   \
         cupa::KERNEL<T, C, D>(CUPA_PARTITION_ARGS);                                              \
     }
