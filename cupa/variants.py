@@ -178,17 +178,6 @@ MMA_DTYPES = ("float16", "bfloat16")
 MMA_HEAD_SIZES = (64, 128)
 MMA_HEAD_TILES = (8, 16)
 MMA_MIN_SM = 80
-# From sm_90 the reduce is launched as a programmatic dependent of phase 1 (cupa.chained_launch;
-# griddepcontrol in the kernels), so its launch overlaps phase 1's last wave.
-CHAINED_REDUCE_MIN_SM = 90
-
-
-def chains_reduce(arch: str) -> bool:
-    """Whether the reduce on `arch` is launched as a programmatic dependent of phase 1.
-    CUPA_CHAINED_REDUCE=0 in the environment turns it off (ordinary launches)."""
-    if os.environ.get("CUPA_CHAINED_REDUCE", "1") == "0":
-        return False
-    return _sm(arch) >= CHAINED_REDUCE_MIN_SM
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
 # in an 8-column tile) leaves the tensor cores far from busy, so this is 1 unless the bench says
 # otherwise.
@@ -203,6 +192,19 @@ def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     if _sm(arch) < MMA_MIN_SM:
         return False
     return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
+
+
+# From sm_90 the reduce is launched as a programmatic dependent of phase 1 (cupa.chained_launch;
+# griddepcontrol in the kernels), so its launch overlaps phase 1's last wave.
+CHAINED_REDUCE_MIN_SM = 90
+
+
+def chains_reduce(arch: str) -> bool:
+    """Whether the reduce on `arch` is launched as a programmatic dependent of phase 1.
+    CUPA_CHAINED_REDUCE=0 in the environment turns it off (ordinary launches)."""
+    if os.environ.get("CUPA_CHAINED_REDUCE", "1") == "0":
+        return False
+    return _sm(arch) >= CHAINED_REDUCE_MIN_SM
 
 
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
