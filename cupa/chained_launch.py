@@ -52,14 +52,16 @@ def available() -> bool:
 def _argument(value):
     """A ctypes copy of one kernel argument as cupa passes them: cupy arrays (their device
     pointer), np.uint64 null pointers, np.int32 and np.float32 scalars."""
-    if hasattr(value, "data") and hasattr(value.data, "ptr"):
-        return ctypes.c_uint64(value.data.ptr)
-    if isinstance(value, np.uint64):
-        return ctypes.c_uint64(int(value))
+    # Scalars first: they are most of the arguments, and asking a numpy scalar for `.data`
+    # builds a memoryview.
     if isinstance(value, np.int32):
         return ctypes.c_int32(int(value))
     if isinstance(value, np.float32):
         return ctypes.c_float(float(value))
+    if isinstance(value, np.uint64):
+        return ctypes.c_uint64(int(value))
+    if hasattr(value, "data") and hasattr(value.data, "ptr"):
+        return ctypes.c_uint64(value.data.ptr)
     raise TypeError(f"chained launch: unsupported kernel argument {type(value).__name__}")
 
 

@@ -3,8 +3,8 @@
 The planner avoids grids of just over one wave of resident workgroups (they run as two), so it
 needs the residency of the variant it launches: the tensor-core kernels range from 2 (float16
 head 128: a 98 KB shared-memory ring, or ~200 registers a thread in the 16-row kernel) to 5
-(fp8 head 64) on an H200. Registers come from the compiled kernel; the rest from the device's
-properties.
+(fp8 head 64) on an H200. Registers and static shared memory come from the compiled kernel; the
+rest from the device's properties.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def resident_workgroups(variant, info) -> int | None:
         return None
     from . import compiler, variants
     kernel = compiler.kernels(variant, info.index)[variant.partition_name]
-    return workgroups_per_sm(int(kernel.num_regs), variant.shared_bytes, variants.THREADS,
+    shared = variant.shared_bytes + int(kernel.shared_size_bytes)  # dynamic + static
+    return workgroups_per_sm(int(kernel.num_regs), shared, variants.THREADS,
                              registers_per_sm=info.registers_per_sm,
                              shared_per_sm=info.shared_memory_per_sm,
                              reserved_shared=info.reserved_shared_per_block,
