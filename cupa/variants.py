@@ -125,7 +125,8 @@ class DecodeVariant(_TwoPhase):
 
 @dataclass(frozen=True)
 class DecodeMmaVariant(_TwoPhase):
-    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64 and 128.
+    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64, 128 and
+    (8-column kernel only) 256.
 
     heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
     of one m-tile per warp (9-64 rows, and chunks of 64 of more).
@@ -142,17 +143,22 @@ class DecodeMmaVariant(_TwoPhase):
     # kernels have (v9): each partition's fixed cost and the reduce pass outweigh the better
     # balance. The residency itself (cupa.occupancy) only decides wave quantisation (plan.py).
     min_partition = 256
-    workgroups_per_sm = 2
+
+    @property
+    def workgroups_per_sm(self) -> int:
+        """2, or 1 where the ring alone takes over half a multiprocessor's shared memory
+        (float16 / bfloat16 at head 256: 129 KB)."""
+        return 1 if self.shared_bytes > 114 * 1024 else 2
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
-        64 tokens of K and V; 3 stages when K alone is >= 16 KB, else 4; then twice as many
-        slots of 64 int32 block ids), which the warps' merge buffer reuses. The kernel traps if
-        given less."""
+        64 tokens of K and V; 2 stages when K alone is >= 32 KB, 3 when >= 16 KB, else 4; then
+        twice as many slots of 64 int32 block ids), which the warps' merge buffer reuses. The
+        kernel traps if given less."""
         chunk = 16 * (THREADS // 32)
         kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
-        stages = 3 if kv_bytes >= 16384 else 4
+        stages = 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (THREADS // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
         return max(ring, merge)
@@ -175,8 +181,12 @@ class DecodeMmaVariant(_TwoPhase):
 
 
 MMA_DTYPES = ("float16", "bfloat16")
-MMA_HEAD_SIZES = (64, 128)
+MMA_HEAD_SIZES = (64, 128, 256)
 MMA_HEAD_TILES = (8, 16)
+# The 16-row kernel keeps a 16-row tile's query fragments and output accumulators in registers:
+# at head 256 they alone would take 192 registers a thread, so more than 8 rows run the portable
+# kernel there.
+MMA16_HEAD_SIZES = (64, 128)
 MMA_MIN_SM = 80
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
 # in an 8-column tile) leaves the tensor cores far from busy, so this is 1 unless the bench says
@@ -190,6 +200,8 @@ def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     if os.environ.get("CUPA_KERNEL", "auto") == "portable":
         return False
     if _sm(arch) < MMA_MIN_SM:
+        return False
+    if rows > 8 and head_size not in MMA16_HEAD_SIZES:
         return False
     return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
 
@@ -229,7 +241,8 @@ def all_decode_variants() -> list[DecodeVariant]:
 
 def all_mma_variants() -> list[DecodeMmaVariant]:
     return [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
-            for h in MMA_HEAD_TILES for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)]
+            for h in MMA_HEAD_TILES for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)
+            if h == 8 or d in MMA16_HEAD_SIZES]
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)

@@ -1,8 +1,9 @@
-// Phase 1 of paged decode on NVIDIA tensor cores (sm_80+, fp16/bf16 queries, head size 64 or
-// 128, cache of the query type or fp8 codes). Two kernels: mma8 (query rows as the 8 columns;
-// up to 8 rows) and mma16 (query rows as the 16 rows of an m-tile, one tile per warp, up to 64
-// rows per workgroup). A query row is a (new token, query head) pair of the KV head: the heads of
-// the GQA group, times the new tokens in multi-token decode (see begin_partition).
+// Phase 1 of paged decode on NVIDIA tensor cores (sm_80+, fp16/bf16 queries, head size 64, 128
+// or 256, cache of the query type or fp8 codes). Two kernels: mma8 (query rows as the 8 columns;
+// up to 8 rows; every head size) and mma16 (query rows as the 16 rows of an m-tile, one tile
+// per warp, up to 64 rows per workgroup; head sizes 64 and 128). A query row is a (new token,
+// query head) pair of the KV head: the heads of the GQA group, times the new tokens in
+// multi-token decode (see begin_partition).
 //
 // With GQA the query heads of one KV head form a small matrix, so QK^T and PV are matrix products
 // whose FMA cost on CUDA cores outgrows the memory time at group sizes of 4-8 and more. Here the
@@ -179,20 +180,30 @@ struct KvRing {
     static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;
-    static constexpr int STAGES = KV_BYTES >= 16384 ? 3 : 4;
+    // 2-3 chunks in flight; a 64 KB stage (float16 at head 256) allows only 2 stages, which
+    // also fit sm_80's 163 KB.
+    static constexpr int STAGES = KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;  // rows one copy instruction covers
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
-    static_assert(CHUNK % ROWS_PER_PASS == 0 && ROWS_PER_PASS % 8 == 0,
-                  "ring layout: a thread's copy rows share their swizzle");
+    static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
+                  "ring layout: a thread's copy rows share their swizzle (see pass_offset)");
 
     // Unit u of row r is stored at unit u ^ swizzle(r), so the 8 rows an ldmatrix reads at one
     // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups; 64-byte rows (fp8
     // at head 64) pair up in a 128-byte line. (A 16-byte row pad does the same and was measured
     // 7% slower at 1 GB: it misaligns the 128-byte cp.async writes.)
     CUPA_FN static int swizzle(int r) { return UNITS >= 8 ? (r & 7) : ((r >> 1) & 3); }
+
+    // Where a thread's copy of pass p lands, from its pass-0 offset `dst` (row r0 < ROWS_PER_PASS).
+    // Passes of 8 or more rows keep the row's swizzle; with 4-row passes (512-byte rows) the odd
+    // passes' rows r0 + 4 (mod 8) flip bit 2 of the swizzle, i.e. 64 bytes of the offset.
+    CUPA_FN static int pass_offset(int dst, int p) {
+        const bool same = ROWS_PER_PASS % 8 == 0 || (p & 1) == 0;
+        return p * ROWS_PER_PASS * ROW_BYTES + (same ? dst : dst ^ 64);
+    }
 };
 
 // The copy side of the ring. Thread i copies unit i % UNITS of rows i / UNITS + p * ROWS_PER_PASS
@@ -238,7 +249,7 @@ struct KvStream {
     }
 
     CUPA_FN void copy_chunk(int chunk) {
-        unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES + dst;
+        unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES;
         const i32* ids = id_slot(chunk);
         const int r0 = threadIdx.x / R::UNITS;
         const int t0 = start + chunk * R::CHUNK + r0;
@@ -250,7 +261,7 @@ struct KvStream {
             // A row that is not copied reads nothing; its address stays inside the cache.
             const u64 src = (u64)(ok ? (u32)id : 0u) * block_bytes +
                             (u32)((t & row_mask) * R::ROW_BYTES);
-            unsigned char* to = stage + p * R::ROWS_PER_PASS * R::ROW_BYTES;
+            unsigned char* to = stage + R::pass_offset(dst, p);
             copy16_async(to, k_src + src, ok);
             copy16_async(to + R::KV_BYTES, v_src + src, ok);
         }
@@ -404,14 +415,21 @@ struct KvStep {
         return w[unit >> 1][rows_inner ? 2 * (unit & 1) + row_half : (unit & 1) + 2 * row_half];
     }
 
-    // Rows r0 .. r0 + 15 of a stage (r0 a multiple of 16).
-    CUPA_FN void load(const unsigned char* stage, int r0, const Lanes& l) {
+    // Rows r0 .. r0 + 15 of a stage (r0 a multiple of 16): K, V or both.
+    CUPA_FN void load_k(const unsigned char* stage, int r0, const Lanes& l) {
         const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES;
 #pragma unroll
         for (int j = 0; j < BLOCKS; ++j) load_matrices(k[j], rows + l.k[j & 3] + 128 * (j >> 2));
+    }
+    CUPA_FN void load_v(const unsigned char* stage, int r0, const Lanes& l) {
+        const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES + R::KV_BYTES;
 #pragma unroll
         for (int j = 0; j < BLOCKS; ++j)
-            load_matrices_transposed(v[j], rows + R::KV_BYTES + l.v[j & 3] + 128 * (j >> 2));
+            load_matrices_transposed(v[j], rows + l.v[j & 3] + 128 * (j >> 2));
+    }
+    CUPA_FN void load(const unsigned char* stage, int r0, const Lanes& l) {
+        load_k(stage, r0, l);
+        load_v(stage, r0, l);
     }
     // Half h of k16 step s, K rows g (rows = 0) or g + 8, as an mma operand.
     CUPA_FN u32 k_op(int s, int h, int rows) const {
@@ -673,7 +691,11 @@ CUPA_FN void decode_partition_mma8(
         const unsigned char* stage = kv.stage(chunk);
         const int base = w.start + chunk * R::CHUNK + warp * STEP;
         KvStep<C, D, true> cur;
-        cur.load(stage, warp * STEP, lanes);
+        // Up to head 128 K and V are loaded together; at 256 their 128 registers would not fit
+        // beside the rest, so V follows the QK product.
+        constexpr bool V_LATE = D > 128;
+        if (V_LATE) cur.load_k(stage, warp * STEP, lanes);
+        else cur.load(stage, warp * STEP, lanes);
         const bool k_valid[2] = {kv.readable(chunk, warp * STEP + g),
                                  kv.readable(chunk, warp * STEP + g + 8)};
 
@@ -693,6 +715,7 @@ CUPA_FN void decode_partition_mma8(
         for (int i = 0; i < 4; ++i)
             s[i] = ((i & 1) ? mask_o : mask_e).logit(st[i], base + g + 8 * (i >> 1),
                                                      k_valid[i >> 1], qk_scale, soft_cap);
+        if (V_LATE) cur.load_v(stage, warp * STEP, lanes);
         // Online softmax per row (column): the 8 lanes with the same c share a row pair.
         float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
 #pragma unroll
