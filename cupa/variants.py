@@ -123,6 +123,9 @@ class DecodeVariant(_TwoPhase):
                 self.reduce_instantiation()]
 
 
+SM90_SHARED_PER_SM = 228 * 1024  # shared memory of an H100 / H200 multiprocessor
+
+
 @dataclass(frozen=True)
 class DecodeMmaVariant(_TwoPhase):
     """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64, 128 and
@@ -146,9 +149,9 @@ class DecodeMmaVariant(_TwoPhase):
 
     @property
     def workgroups_per_sm(self) -> int:
-        """2, or 1 where the ring alone takes over half a multiprocessor's shared memory
-        (float16 / bfloat16 at head 256: 129 KB)."""
-        return 1 if self.shared_bytes > 114 * 1024 else 2
+        """2, or 1 where the ring alone takes over half of an sm_90 multiprocessor's 228 KB of
+        shared memory (float16 / bfloat16 at head 256: 129 KB)."""
+        return 1 if self.shared_bytes > SM90_SHARED_PER_SM // 2 else 2
 
     @property
     def shared_bytes(self) -> int:
