@@ -180,8 +180,9 @@ struct KvRing {
     static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;
-    // 2-3 chunks in flight; a 64 KB stage (float16 at head 256) allows only 2 stages, which
-    // also fit sm_80's 163 KB.
+    // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
+    // of float16 at head 256, where 2 stages are what fits sm_80's 163 KB (and one workgroup
+    // per multiprocessor on sm_90).
     static constexpr int STAGES = KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
