@@ -19,22 +19,20 @@ FP8_QUERY_DTYPES = ("float16", "bfloat16")
 MAX_QUERY_LEN = 16  # new tokens per sequence in one call (MAX_QUERY_LEN in decode_common.cuh)
 
 
+# numpy builds a dtype's name anew on every access (~10 us per decode call for the six arrays
+# validated): names are remembered per dtype object.
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(dtype) -> str:
     """'float16' / 'bfloat16' / 'float32' / ... for numpy, ml_dtypes and cupy dtypes alike."""
     try:
         return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like
-        name = np.dtype(dtype).name
-    try:
-        _DTYPE_NAMES[dtype] = name
-    except TypeError:
-        pass
-    return name
-
-
-# numpy builds a dtype's name anew on every access (~10 us per decode call for the six arrays
-# validated): names are remembered per dtype object.
-_DTYPE_NAMES: dict = {}
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+        return name
+    except TypeError:  # an unhashable dtype-like
+        return np.dtype(dtype).name
 
 
 @dataclass(frozen=True)
