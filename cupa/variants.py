@@ -154,12 +154,17 @@ class DecodeMmaVariant(_TwoPhase):
         return 1 if self.shared_bytes > SM90_SHARED_PER_SM // 2 else 2
 
     @property
+    def warp_steps(self) -> int:
+        """16-token steps each warp computes side by side per chunk (KvRing::WARP_STEPS)."""
+        return 2 if self.cache and self.head_size == 128 else 1
+
+    @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
-        64 tokens of K and V; 2 stages when K alone is >= 32 KB, 3 when >= 16 KB, else 4; then
-        twice as many slots of 64 int32 block ids), which the warps' merge buffer reuses. The
-        kernel traps if given less."""
-        chunk = 16 * (THREADS // 32)
+        a chunk of K and V, 64 tokens or 128 for fp8 at head 128; 2 stages when K alone is
+        >= 32 KB, 3 when >= 16 KB, else 4; then twice as many slots of a chunk's int32 block
+        ids), which the warps' merge buffer reuses. The kernel traps if given less."""
+        chunk = 16 * (THREADS // 32) * self.warp_steps
         kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
         stages = 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4

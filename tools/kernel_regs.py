@@ -1,7 +1,12 @@
 """Print registers and local memory (spills) of the tensor-core decode kernels on this GPU."""
-from cupa import variants
-from cupa.compiler import kernels
-from cupa.device import device_info
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupa import variants  # noqa: E402
+from cupa.compiler import kernels  # noqa: E402
+from cupa.device import device_info  # noqa: E402
 
 info = device_info()
 for v in variants.all_mma_variants():

@@ -115,6 +115,16 @@ CUPA_FN float fast_log2(float x) {
 #endif
 }
 
+// a / b where a couple of ulp are fine (the soft-cap's tanh): NVIDIA's approximate division
+// instead of the IEEE one's slow-path check.
+CUPA_FN float fast_div(float a, float b) {
+#if CUPA_HIP
+    return a / b;
+#else
+    return __fdividef(a, b);
+#endif
+}
+
 CUPA_FN float warp_xor(float v, int lane_mask) {
 #if CUPA_HIP
     return __shfl_xor(v, lane_mask, CUPA_WARP);

@@ -36,12 +36,25 @@ constexpr int MAX_QUERY_LEN = 16;
 
 // Logit soft-capping (Gemma 2): c * tanh(x / c) on the natural-log logit; x arrives and leaves
 // in the log2 domain the kernels work in. cap <= 0 means off.
+// (LN2 / cap is loop-invariant: callers' loops compute it once.)
 CUPA_FN float soft_cap_log2(float x, float cap) {
     if (cap <= 0.f) return x;
-    const float a = x * LN2 / cap;
+    const float a = x * (LN2 / cap);
     const float e = fast_exp2(-2.f * LOG2E * (a < 0.f ? -a : a));  // exp(-2|a|), no library tanh
-    const float t = (1.f - e) / (1.f + e);
+    const float t = fast_div(1.f - e, 1.f + e);
     return cap * (a < 0.f ? -t : t) * LOG2E;
+}
+
+// N raw q.k products to the log2 domain, soft-capped: the cap is tested once for all of them
+// (a branch per element costs its test and branch even when the cap is off).
+template <int N>
+CUPA_FN void scale_and_cap(float* x, float qk_scale, float cap) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] *= qk_scale;
+    if (cap > 0.f) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) x[e] = soft_cap_log2(x[e], cap);
+    }
 }
 
 // Final normalisation of one head. m (log2 domain) and l are the running max and sum of its

@@ -130,11 +130,10 @@ struct RowMask {
         slope = alibi_slopes != nullptr && row
                     ? alibi_slopes[w.row_index(r) % w.num_heads] * LOG2E : 0.f;
     }
-    // The final log2-domain logit of token t from its raw q.k, or -inf if the row does not see it.
-    CUPA_FN float logit(float raw, int t, bool readable, float qk_scale, float soft_cap) const {
-        return readable && t >= first && t <= pos
-                   ? soft_cap_log2(raw * qk_scale, soft_cap) + slope * (float)(t - pos)
-                   : neg_inf();
+    // The final log2-domain logit of token t from its scaled, soft-capped q.k (scale_and_cap),
+    // or -inf if the row does not see it.
+    CUPA_FN float logit(float x, int t, bool readable) const {
+        return readable && t >= first && t <= pos ? x + slope * (float)(t - pos) : neg_inf();
     }
 };
 
@@ -175,7 +174,13 @@ CUPA_FN u32 dynamic_shared_bytes() {
 // mirrors BYTES.
 template <typename C, int D>
 struct KvRing {
-    static constexpr int CHUNK = 16 * (CUPA_THREADS / 32);  // one 16-token step per warp
+    // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
+    // at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and softmax
+    // reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit step's
+    // work for half the bytes), else one. (At head 64 the larger ring cost the fp8 kernel its
+    // fifth workgroup per multiprocessor: slower where the grid needed them, docs/perf.md v12.)
+    static constexpr int WARP_STEPS = sizeof(C) == 1 && D == 128 ? 2 : 1;
+    static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
     static constexpr int ROW_BYTES = D * (int)sizeof(C);
     static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
@@ -191,6 +196,7 @@ struct KvRing {
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
                   "ring layout: a thread's copy rows share their swizzle (see pass_offset)");
+    static_assert(CHUNK <= CUPA_THREADS, "one thread copies each token's block id");
 
     // Unit u of row r is stored at unit u ^ swizzle(r), so the 8 rows an ldmatrix reads at one
     // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups; 64-byte rows (fp8
@@ -362,8 +368,13 @@ template <typename C> struct Fp8Widen {
 template <> struct Fp8Widen<cupa_fp8_e4m3> {
     CUPA_FN static u32 pair(u32 w, bool hi) {
         u32 r;
-        const u16 two = (u16)(hi ? w >> 16 : w & 0xffffu);
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(two));
+        // The half is picked inside the asm, so ptxas reads it in place (no shift).
+        if (hi)
+            asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }"
+                : "=r"(r) : "r"(w));
+        else
+            asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }"
+                : "=r"(r) : "r"(w));
         return r;
     }
 };
@@ -470,7 +481,7 @@ CUPA_FN bool update_max(float& m, float mx, float& corr, float& use) {
 // ---- 9-64 query rows: rows are the M=16 rows of a warp's m-tile (S = Q K^T, O = P V). ------
 // The workgroup's rows form up to NWARPS tiles of 16; the warps split evenly over the tiles (one
 // tile: all four warps; two: two each; three or four: one each), and the warps of a tile share
-// the four 16-token steps of each staged chunk. Every tile reads the same staged K/V rows.
+// the 16-token steps of each staged chunk. Every tile reads the same staged K/V rows.
 template <typename T, typename C, int D>
 CUPA_FN void decode_partition_mma16(
     CUPA_PARTITION_PARAMS(T, C)) {
@@ -530,10 +541,11 @@ CUPA_FN void decode_partition_mma16(
     float l_lo = 0.f, l_hi = 0.f;              // this lane's share of the running sums
 
     // A warp without a tile (three tiles on four warps) only helps with the copies.
-    const int first_step = tile < tiles ? slot : NWARPS;
+    constexpr int STEPS = R::CHUNK / STEP;  // 16-token steps of a chunk
+    const int first_step = tile < tiles ? slot : STEPS;
     for (int i = 0; i < kv.chunks; ++i) {
         const unsigned char* stage = kv.stage(i);
-        for (int step = first_step; step < NWARPS; step += warps_per_tile) {
+        for (int step = first_step; step < STEPS; step += warps_per_tile) {
             const int base = w.start + i * R::CHUNK + step * STEP;
             KvStep<C, D, false> cur;
             cur.load(stage, step * STEP, lanes);
@@ -561,12 +573,13 @@ CUPA_FN void decode_partition_mma16(
             // 2c + (e & 1) + 8 (e >> 2).
             float s[8];
 #pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] = e < 4 ? s0[e] : s1[e - 4];
+            scale_and_cap<8>(s, qk_scale, soft_cap);
+#pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const int tok = (e & 1) | ((e & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
                 const int t = base + 2 * c + (e & 1) + (e & 4 ? 8 : 0);
-                const float raw = e < 4 ? s0[e] : s1[e - 4];
-                s[e] = ((e & 2) ? mask_hi : mask_lo).logit(raw, t, v_valid[tok], qk_scale,
-                                                           soft_cap);
+                s[e] = ((e & 2) ? mask_hi : mask_lo).logit(s[e], t, v_valid[tok]);
             }
             // Online softmax per row; the four lanes of a quad share a row.
             float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
@@ -631,7 +644,7 @@ CUPA_FN void decode_partition_mma16(
 // Half the registers and mma work of the 16-row form when the rows fit in 8. K rows are the A
 // operand of S^T (m = token), V^T that of O^T (m = head dim: m-tile i is dim tiles 2i and 2i + 1,
 // rows g and g + 8). P^T reaches the B layout of the PV product through one movmatrix transpose
-// per 8x8 tile. Each warp takes one 16-token step of every staged chunk.
+// per 8x8 tile. Each warp takes KvRing::WARP_STEPS 16-token steps of every staged chunk.
 CUPA_FN u32 transpose8x8(u32 x) {
     u32 y;
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
@@ -650,7 +663,9 @@ CUPA_FN void decode_partition_mma8(
     constexpr int KSTEPS = D / 16;
     constexpr int MT = D / 16;              // m-tiles of the output (head-dim rows)
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
-    static_assert(R::CHUNK == NWARPS * STEP, "one step per warp and chunk");
+    constexpr int WS = R::WARP_STEPS;       // steps per warp and chunk
+    constexpr bool V_LATE = D > 128;
+    static_assert(R::CHUNK == NWARPS * WS * STEP, "WS steps per warp and chunk");
 
     extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
@@ -690,35 +705,58 @@ CUPA_FN void decode_partition_mma8(
 
     for (int chunk = 0; chunk < kv.chunks; ++chunk) {
         const unsigned char* stage = kv.stage(chunk);
-        const int base = w.start + chunk * R::CHUNK + warp * STEP;
-        KvStep<C, D, true> cur;
-        // Up to head 128 K and V are loaded together; at 256 their 128 registers would not fit
-        // beside the rest, so V follows the QK product.
-        constexpr bool V_LATE = D > 128;
-        if (V_LATE) cur.load_k(stage, warp * STEP, lanes);
-        else cur.load(stage, warp * STEP, lanes);
-        const bool k_valid[2] = {kv.readable(chunk, warp * STEP + g),
-                                 kv.readable(chunk, warp * STEP + g + 8)};
+        // This warp's WS steps: rows r0[u] .. r0[u] + 15 of the stage, computed side by side
+        // (independent QK chains; one max and sum update and one rescale for all of them).
+        int r0[WS];
+        KvStep<C, D, true> cur[WS];
+        bool k_valid[WS][2];
+#pragma unroll
+        for (int u = 0; u < WS; ++u) {
+            r0[u] = (warp * WS + u) * STEP;
+            // Up to head 128 K and V are loaded together; at 256 their 128 registers would not
+            // fit beside the rest, so V follows the QK product.
+            if (V_LATE) cur[u].load_k(stage, r0[u], lanes);
+            else cur[u].load(stage, r0[u], lanes);
+            k_valid[u][0] = kv.readable(chunk, r0[u] + g);
+            k_valid[u][1] = kv.readable(chunk, r0[u] + g + 8);
+        }
 
-        // S^T for tokens base + g (st[0], st[1]) and base + g + 8 (st[2], st[3]), rows 2c, 2c+1;
-        // two independent accumulators (even and odd k16 steps) summed at the end.
-        float st[4] = {0.f, 0.f, 0.f, 0.f}, st2[4] = {0.f, 0.f, 0.f, 0.f};
+        // S^T for tokens r0 + g (st[0], st[1]) and r0 + g + 8 (st[2], st[3]), rows 2c, 2c+1;
+        // two independent accumulators per step (even and odd k16 steps) summed at the end.
+        float st[WS][4], st2[WS][4];
+#pragma unroll
+        for (int u = 0; u < WS; ++u)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) st[u][i] = st2[u][i] = 0.f;
 #pragma unroll
         for (int s = 0; s < KSTEPS; ++s) {
-            const u32 a[4] = {cur.k_op(s, 0, 0), cur.k_op(s, 0, 1), cur.k_op(s, 1, 0),
-                              cur.k_op(s, 1, 1)};
-            MmaOp<M>::run((s & 1) ? st2 : st, a, qb[s][0], qb[s][1]);
+#pragma unroll
+            for (int u = 0; u < WS; ++u) {
+                const u32 a[4] = {cur[u].k_op(s, 0, 0), cur[u].k_op(s, 0, 1),
+                                  cur[u].k_op(s, 1, 0), cur[u].k_op(s, 1, 1)};
+                MmaOp<M>::run((s & 1) ? st2[u] : st[u], a, qb[s][0], qb[s][1]);
+            }
         }
+        // Logits: rows 2c (even i) and 2c + 1 (odd i); tokens r0 + g and r0 + g + 8.
+        const int base = w.start + chunk * R::CHUNK;
+        float s[WS][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) st[i] += st2[i];
-        float s[4];  // rows 2c (even i) and 2c + 1 (odd i); tokens base + g and base + g + 8
+        for (int u = 0; u < WS; ++u)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            s[i] = ((i & 1) ? mask_o : mask_e).logit(st[i], base + g + 8 * (i >> 1),
-                                                     k_valid[i >> 1], qk_scale, soft_cap);
-        if (V_LATE) cur.load_v(stage, warp * STEP, lanes);
+            for (int i = 0; i < 4; ++i) s[u][i] = st[u][i] + st2[u][i];
+        scale_and_cap<4 * WS>(&s[0][0], qk_scale, soft_cap);
+        float mx_e = neg_inf(), mx_o = neg_inf();
+#pragma unroll
+        for (int u = 0; u < WS; ++u) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                s[u][i] = ((i & 1) ? mask_o : mask_e).logit(s[u][i], base + r0[u] + g + 8 * (i >> 1),
+                                                            k_valid[u][i >> 1]);
+            mx_e = max_f(mx_e, max_f(s[u][0], s[u][2]));
+            mx_o = max_f(mx_o, max_f(s[u][1], s[u][3]));
+            if (V_LATE) cur[u].load_v(stage, r0[u], lanes);
+        }
         // Online softmax per row (column): the 8 lanes with the same c share a row pair.
-        float mx_e = max_f(s[0], s[2]), mx_o = max_f(s[1], s[3]);
 #pragma unroll
         for (int mask = 4; mask < 32; mask <<= 1) {
             mx_e = max_f(mx_e, warp_xor(mx_e, mask));
@@ -727,13 +765,19 @@ CUPA_FN void decode_partition_mma8(
         float corr_e, corr_o, use_e, use_o;
         const bool moved = update_max(m_e, mx_e, corr_e, use_e) |
                            update_max(m_o, mx_o, corr_o, use_o);
-        const float p0 = fast_exp2(s[0] - use_e), p1 = fast_exp2(s[1] - use_o);
-        const float p2 = fast_exp2(s[2] - use_e), p3 = fast_exp2(s[3] - use_o);
-        l_e = l_e * corr_e + p0 + p2;
-        l_o = l_o * corr_o + p1 + p3;
+        l_e *= corr_e;
+        l_o *= corr_o;
         // P^T tiles (tokens x rows) -> B fragments: row g, tokens 2c, 2c+1 (+8).
-        const u32 pb0 = transpose8x8(MmaOp<M>::pack(p0, p1));
-        const u32 pb1 = transpose8x8(MmaOp<M>::pack(p2, p3));
+        u32 pb[WS][2];
+#pragma unroll
+        for (int u = 0; u < WS; ++u) {
+            const float p0 = fast_exp2(s[u][0] - use_e), p1 = fast_exp2(s[u][1] - use_o);
+            const float p2 = fast_exp2(s[u][2] - use_e), p3 = fast_exp2(s[u][3] - use_o);
+            l_e += p0 + p2;
+            l_o += p1 + p3;
+            pb[u][0] = transpose8x8(MmaOp<M>::pack(p0, p1));
+            pb[u][1] = transpose8x8(MmaOp<M>::pack(p2, p3));
+        }
         if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -742,10 +786,13 @@ CUPA_FN void decode_partition_mma8(
             }
         }
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-            const u32 a[4] = {cur.v_op(2 * i, 0), cur.v_op(2 * i + 1, 0), cur.v_op(2 * i, 1),
-                              cur.v_op(2 * i + 1, 1)};
-            MmaOp<M>::run(acc[i], a, pb0, pb1);
+        for (int u = 0; u < WS; ++u) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const u32 a[4] = {cur[u].v_op(2 * i, 0), cur[u].v_op(2 * i + 1, 0),
+                                  cur[u].v_op(2 * i, 1), cur[u].v_op(2 * i + 1, 1)};
+                MmaOp<M>::run(acc[i], a, pb[u][0], pb[u][1]);
+            }
         }
     }
     kv.end_copies();
