@@ -750,8 +750,8 @@ CUPA_FN void decode_partition_mma8(
         for (int u = 0; u < WS; ++u) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                s[u][i] = ((i & 1) ? mask_o : mask_e).logit(s[u][i], base + r0[u] + g + 8 * (i >> 1),
-                                                            k_valid[u][i >> 1]);
+                s[u][i] = ((i & 1) ? mask_o : mask_e).logit(
+                    s[u][i], base + r0[u] + g + 8 * (i >> 1), k_valid[u][i >> 1]);
             mx_e = max_f(mx_e, max_f(s[u][0], s[u][2]));
             mx_o = max_f(mx_o, max_f(s[u][1], s[u][3]));
             if (V_LATE) cur[u].load_v(stage, r0[u], lanes);
