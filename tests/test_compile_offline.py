@@ -1,5 +1,7 @@
 """Every kernel variant compiles for every target, with no GPU: NVRTC for sm_80/sm_90 and
-clang -x hip for gfx90a/gfx942/gfx1100/gfx1201. In CI (CI set) a missing compiler fails."""
+clang -x hip for gfx90a/gfx942/gfx1100/gfx1201; and the tensor-core kernels' ring layout as
+cupa.variants states it is the one the source computes. In CI (CI set) a missing compiler
+fails."""
 
 import os
 
@@ -43,3 +45,27 @@ def test_every_variant_compiles(results, target):
     assert compiled == len(variants.all_variants(target)) > 0
     assert not failed, f"{len(failed)} variants failed on {target}:\n" + "\n".join(
         f"{name}: {detail[:2000]}" for name, detail in list(failed.items())[:3])
+
+
+def test_ring_layout_of_the_python_mirror_matches_the_kernels():
+    """variants.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory and steps
+    per warp (the planner and the launch use them); the kernel source states them again
+    (KvRing, mma_shared_bytes). The compiler checks that both say the same, for every variant."""
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:
+        if IN_CI:
+            pytest.fail(f"NVRTC unavailable: {exc}")
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    from cupa.compiler import Target, _compile_nvrtc
+    mma = variants.all_mma_variants()
+    checks = []
+    for v in mma:
+        cache = variants._cache_type(v.dtype, v.cache)
+        checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, {v.heads}>() "
+                   f"== {v.shared_bytes}, \"{v.partition_name}: shared bytes\");",
+                   f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::WARP_STEPS == "
+                   f"{v.warp_steps}, \"{v.partition_name}: steps per warp\");"]
+    source = variants.batch_source(mma[:1]) + "\n".join(checks) + "\n"
+    assert _compile_nvrtc(source, "ring_layout", Target("sm_90")) > 0
