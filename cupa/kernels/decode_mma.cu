@@ -81,39 +81,48 @@ template <> struct MmaOp<cupa_bf16> {
 // Epilogue shared by the mma kernels. Rows come in tiles of TILE_ROWS; the warps of a tile
 // (warps_per_tile consecutive warps) each left its unnormalised output rows, running max and sum
 // in shared memory. Combine them and write the final output (one partition) or this partition's
-// float32 partials; v_scale is the fp8 value scale (1 otherwise).
+// float32 partials; v_scale is the fp8 value scale (1 otherwise). One thread per row first turns
+// the row's maxima into the warps' weights (in place of m_s) and its normalisation factor (in
+// place of the first warp's l_s), so the loop over the row's elements only multiplies and adds.
 template <typename T, int D, int TILE_ROWS, int NWARPS>
-CUPA_FN void merge_warps_and_store(const float (*o_s)[TILE_ROWS][D], const float (*m_s)[TILE_ROWS],
-                                   const float (*l_s)[TILE_ROWS], T* out, float* lse,
+CUPA_FN void merge_warps_and_store(const float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE_ROWS],
+                                   float (*l_s)[TILE_ROWS], T* out, float* lse,
                                    float* part_acc, float* part_max, float* part_sum,
                                    const float* sinks, const PartitionWork& w,
                                    int warps_per_tile, float v_scale, int max_partitions) {
-    for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS) {
-        const int r = i / D, d = i % D;
+    for (int r = threadIdx.x; r < w.nh; r += CUPA_THREADS) {
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float m = neg_inf();
         for (int k = 0; k < warps_per_tile; ++k) m = max_f(m, m_s[w0 + k][tr]);
         const float use = m == neg_inf() ? 0.f : m;
-        float l = 0.f, o = 0.f;
+        float l = 0.f;
         for (int k = 0; k < warps_per_tile; ++k) {
             const float f = fast_exp2(m_s[w0 + k][tr] - use);
             l += f * l_s[w0 + k][tr];
-            o += f * o_s[w0 + k][tr][d];
+            m_s[w0 + k][tr] = f * v_scale;
         }
-        o *= v_scale;
         const i64 head = w.row_index(r);
+        float factor = 1.f;
         if (max_partitions == 1) {
             float lse_value;
-            const float factor = finish_head(m, l, sink_of(sinks, head, w.num_heads), lse_value);
-            Elem<T>::store(out + head * D + d, o * factor);
-            if (d == 0 && lse != nullptr) lse[head] = lse_value;
+            factor = finish_head(m, l, sink_of(sinks, head, w.num_heads), lse_value);
+            if (lse != nullptr) lse[head] = lse_value;
         } else {
-            part_acc[(head * max_partitions + w.part) * D + d] = o;
-            if (d == 0) {
-                part_max[head * max_partitions + w.part] = m;
-                part_sum[head * max_partitions + w.part] = l;
-            }
+            part_max[head * max_partitions + w.part] = m;
+            part_sum[head * max_partitions + w.part] = l;
         }
+        l_s[w0][tr] = factor;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS) {
+        const int r = i / D, d = i % D;
+        const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
+        float o = 0.f;
+        for (int k = 0; k < warps_per_tile; ++k) o += m_s[w0 + k][tr] * o_s[w0 + k][tr][d];
+        const i64 head = w.row_index(r);
+        if (max_partitions == 1) Elem<T>::store(out + head * D + d, o * l_s[w0][tr]);
+        else part_acc[(head * max_partitions + w.part) * D + d] = o;
     }
 }
 
