@@ -137,11 +137,12 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
     w.kv_head = blockIdx.x / head_chunks;
     w.part = blockIdx.y;
     w.seq = blockIdx.z;
+    const int raw_len = seq_lens[w.seq];  // loaded together with query_start_loc's entries
     query_span(query_start_loc, w.seq, num_tokens, w.tok0, w.q_len);
     w.row0 = chunk * ROWS;
     w.nh = cmin(ROWS, w.q_len * w.group - w.row0);
     if (w.nh <= 0) return false;  // a chunk past this sequence's rows
-    w.seq_len = clamp_len(seq_lens[w.seq], max_blocks_per_seq * block_size);
+    w.seq_len = clamp_len(raw_len, max_blocks_per_seq * block_size);
     // Partitions wholly before the sliding window exit here, so work scales with the window.
     w.start = cmax(w.part * partition_size, window_first(w.seq_len - w.q_len, sliding_window));
     w.end = cmin(w.part * partition_size + partition_size, w.seq_len);
@@ -156,6 +157,23 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
         }
     }
     return false;
+}
+
+// What a workgroup's partition covers before any load (grid y = partition, z = sequence, as in
+// begin_partition): its sequence's block-table row and the tokens [first, last) of the table's
+// capacity that the partition spans whatever the sequence's length. The tensor-core kernels
+// start fetching block ids from these while begin_partition waits for the length.
+struct NominalPartition {
+    const i32* table;
+    int first, last;
+};
+CUPA_FN NominalPartition nominal_partition(const i32* block_tables, i32 max_blocks_per_seq,
+                                           i32 block_size, i32 partition_size) {
+    NominalPartition n;
+    n.table = block_tables + (i64)blockIdx.z * max_blocks_per_seq;
+    n.first = (int)blockIdx.y * partition_size;
+    n.last = cmin(n.first + partition_size, max_blocks_per_seq * block_size);
+    return n;
 }
 
 // Dequantisation factors of a KV head: 1 for a plain cache; for fp8 the host folds the format's
