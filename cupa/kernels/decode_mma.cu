@@ -743,24 +743,43 @@ CUPA_FN void decode_partition_mma8(
     float m_e = neg_inf(), m_o = neg_inf();  // running max of rows 2c and 2c + 1
     float l_e = 0.f, l_o = 0.f;              // this lane's share of their sums
 
-    for (int chunk = 0; chunk < kv.chunks; ++chunk) {
-        const unsigned char* stage = kv.stage(chunk);
-        // This warp's WS steps: rows r0[u] .. r0[u] + 15 of the stage, computed side by side
-        // (independent QK chains; one max and sum update and one rescale for all of them).
-        int r0[WS];
-        KvStep<C, D, true> cur[WS];
-        bool k_valid[WS][2];
+    // 16-bit caches are software-pipelined over chunks: the next chunk's stage is taken (its
+    // barrier) and its fragments loaded right after this chunk's QK product and masks, so those
+    // loads overlap this chunk's softmax and PV chain (the stage refilled there is this chunk's,
+    // whose fragments are in registers by then). Float16 at head 128: 0.4-4% faster on the
+    // bench shapes (the most at 1 x 4096), 0.4% slower at 256 x 2048. fp8 (two steps a warp:
+    // 208 instead of 146 registers) was level to 2% slower and head 256 (V after QK) spills, so
+    // those take each chunk's stage and fragments at its top (docs/perf.md v13).
+    constexpr bool PIPELINED = sizeof(C) == 2 && !V_LATE;
+    int r0[WS];  // this warp's WS steps: rows r0[u] .. r0[u] + 15 of a stage
+#pragma unroll
+    for (int u = 0; u < WS; ++u) r0[u] = (warp * WS + u) * STEP;
+    // Up to head 128 K and V are loaded together; at 256 their 128 registers would not fit
+    // beside the rest (and the next chunk's K), so V follows the QK product.
+    auto load_chunk = [&](const unsigned char* st, int chunk, KvStep<C, D, true> (&f)[WS],
+                          bool (&valid)[WS][2]) {
 #pragma unroll
         for (int u = 0; u < WS; ++u) {
-            r0[u] = (warp * WS + u) * STEP;
-            // Up to head 128 K and V are loaded together; at 256 their 128 registers would not
-            // fit beside the rest, so V follows the QK product.
-            if (V_LATE) cur[u].load_k(stage, r0[u], lanes);
-            else cur[u].load(stage, r0[u], lanes);
-            k_valid[u][0] = kv.readable(chunk, r0[u] + g);
-            k_valid[u][1] = kv.readable(chunk, r0[u] + g + 8);
+            if (V_LATE) f[u].load_k(st, r0[u], lanes);
+            else f[u].load(st, r0[u], lanes);
+            valid[u][0] = kv.readable(chunk, r0[u] + g);
+            valid[u][1] = kv.readable(chunk, r0[u] + g + 8);
         }
-
+    };
+    const unsigned char* stage = nullptr;
+    KvStep<C, D, true> cur[WS];
+    bool k_valid[WS][2];
+    if (PIPELINED) {
+        stage = kv.stage(0);
+        load_chunk(stage, 0, cur, k_valid);
+    }
+    for (int chunk = 0; chunk < kv.chunks; ++chunk) {
+        if (!PIPELINED) {
+            stage = kv.stage(chunk);
+            load_chunk(stage, chunk, cur, k_valid);
+        }
+        // The WS steps side by side: independent QK chains, one max and sum update and one
+        // rescale for all of them.
         // S^T for tokens r0 + g (st[0], st[1]) and r0 + g + 8 (st[2], st[3]), rows 2c, 2c+1;
         // two independent accumulators per step (even and odd k16 steps) summed at the end.
         float st[WS][4], st2[WS][4];
@@ -795,6 +814,13 @@ CUPA_FN void decode_partition_mma8(
             mx_e = max_f(mx_e, max_f(s[u][0], s[u][2]));
             mx_o = max_f(mx_o, max_f(s[u][1], s[u][3]));
             if (V_LATE) cur[u].load_v(stage, r0[u], lanes);
+        }
+        // Pipelined: the next chunk's barrier, then its fragments.
+        KvStep<C, D, true> nxt[WS];
+        bool n_valid[WS][2];
+        if (PIPELINED && chunk + 1 < kv.chunks) {
+            stage = kv.stage(chunk + 1);
+            load_chunk(stage, chunk + 1, nxt, n_valid);
         }
         // Online softmax per row (column): the 8 lanes with the same c share a row pair.
 #pragma unroll
@@ -832,6 +858,14 @@ CUPA_FN void decode_partition_mma8(
                 const u32 a[4] = {cur[u].v_op(2 * i, 0), cur[u].v_op(2 * i + 1, 0),
                                   cur[u].v_op(2 * i, 1), cur[u].v_op(2 * i + 1, 1)};
                 MmaOp<M>::run(acc[i], a, pb[u][0], pb[u][1]);
+            }
+        }
+        if (PIPELINED) {
+#pragma unroll
+            for (int u = 0; u < WS; ++u) {
+                cur[u] = nxt[u];
+                k_valid[u][0] = n_valid[u][0];
+                k_valid[u][1] = n_valid[u][1];
             }
         }
     }
