@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from . import arrays
 from .decode_plan import (DecodeOptions, DecodePlan, check_inputs, convert_inputs,
                           default_max_query_len, host_arrays_of)
@@ -67,7 +69,10 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     partition_size  tokens per phase-1 partition (default: chosen to fill the device)
     max_seq_len   optional hint of the longest seq_len, used only to choose partitions (a wrong
                   hint costs speed, never correctness)
-    stream        cupy stream to launch on (default: the current stream)
+    stream        cupy stream to launch on (default: the current stream). As with any CUDA
+                  stream, the caller orders the work that produced the inputs before it (a
+                  non-blocking stream does not wait for the default stream's copies); cupa's own
+                  buffers are allocated on it.
     backend       'gpu', 'numpy' or None (GPU when available)
 
     Returns `out` (and `lse`) as the same kind of array as `query`: numpy in -> numpy out, cupy
@@ -77,16 +82,19 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     the kernels instead never read past seq_len or the table's capacity, and treat block ids
     outside [0, num_blocks) as empty. Host (numpy) tables are checked fully.
     """
-    plan, inputs = _plan(query, key_cache, value_cache, block_tables, seq_lens,
-                         query_start_loc=query_start_loc, max_query_len=max_query_len,
-                         scale=scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                         logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format,
-                         k_scale=k_scale, v_scale=v_scale, out=out, return_lse=return_lse,
-                         partition_size=partition_size, max_seq_len=max_seq_len,
-                         backend=backend, own_outputs=False)
-    device_out = out is not None and arrays.is_device_array(out)
-    return plan._execute(inputs, query, out, arrays.to_device(out) if device_out else None,
-                         stream)
+    # The one-shot plan's workspace and the output are allocated under the launch stream, so the
+    # memory pool hands their blocks on only to work ordered after this launch.
+    with stream if stream is not None else contextlib.nullcontext():
+        plan, inputs = _plan(query, key_cache, value_cache, block_tables, seq_lens,
+                             query_start_loc=query_start_loc, max_query_len=max_query_len,
+                             scale=scale, alibi_slopes=alibi_slopes,
+                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                             sinks=sinks, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+                             out=out, return_lse=return_lse, partition_size=partition_size,
+                             max_seq_len=max_seq_len, backend=backend, own_outputs=False)
+        device_out = out is not None and arrays.is_device_array(out)
+        return plan._execute(inputs, query, out,
+                             arrays.to_device(out) if device_out else None, stream)
 
 
 def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,

@@ -186,9 +186,9 @@ class DecodePlan:
         from .gpu import launch
         cupy = arrays.cupy_module()
         target = device_out if device_out is not None else self.out
-        if target is None:  # a one-shot plan without own buffers
-            target = cupy.empty(inputs.query.shape, dtype=inputs.query.dtype)
         with stream if stream is not None else cupy.cuda.get_current_stream():
+            if target is None:  # a one-shot plan without own buffers: on the launch stream
+                target = cupy.empty(inputs.query.shape, dtype=inputs.query.dtype)
             launch(self._launch_plan, self.shape, self._workspace, self._device_index,
                    out=target, lse=self.lse, query=inputs.query, key_cache=inputs.key_cache,
                    value_cache=inputs.value_cache, kv_scales=self._kv_scales,

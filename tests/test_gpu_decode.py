@@ -164,6 +164,9 @@ def test_stream_and_foreign_arrays(rng):
     case = make_case(rng, dtype="float16", head_size=96, group=4, seq_lens=(5, 900))
     args, _ = to_gpu(case)
     stream = cupy.cuda.Stream(non_blocking=True)
+    # The uploads ran on the default stream, which a non-blocking stream does not wait for (their
+    # DMA may still be in flight: a flaky failure under load before this line existed).
+    stream.wait_event(cupy.cuda.get_current_stream().record())
     out = cupa.decode(*args, stream=stream)
     stream.synchronize()
     ref, _ = paged_decode_reference(*case.args())

@@ -159,23 +159,6 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
     return false;
 }
 
-// What a workgroup's partition covers before any load (grid y = partition, z = sequence, as in
-// begin_partition): its sequence's block-table row and the tokens [first, last) of the table's
-// capacity that the partition spans whatever the sequence's length. The tensor-core kernels
-// start fetching block ids from these while begin_partition waits for the length.
-struct NominalPartition {
-    const i32* table;
-    int first, last;
-};
-CUPA_FN NominalPartition nominal_partition(const i32* block_tables, i32 max_blocks_per_seq,
-                                           i32 block_size, i32 partition_size) {
-    NominalPartition n;
-    n.table = block_tables + (i64)blockIdx.z * max_blocks_per_seq;
-    n.first = (int)blockIdx.y * partition_size;
-    n.last = cmin(n.first + partition_size, max_blocks_per_seq * block_size);
-    return n;
-}
-
 // Dequantisation factors of a KV head: 1 for a plain cache; for fp8 the host folds the format's
 // power of two (see Elem<cupa_fp8>) into the per-head scales.
 CUPA_FN float k_factor(const float* kv_scales, int kv_head) {

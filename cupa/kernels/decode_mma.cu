@@ -283,46 +283,28 @@ struct KvStream {
         }
     }
 
-    // Starts copying the block ids of the first 2 STAGES - 2 chunks of the partition's nominal
-    // tokens before the sequence's length is known, so that round trip overlaps the length's.
-    CUPA_FN void prefetch_ids(unsigned char* ring_, const NominalPartition& n, int shift_) {
+    // Fetches the block ids of the first 2 STAGES - 2 chunks of tokens [start_, rows.end) (one
+    // round trip), then starts the K/V copies of the first STAGES - 1 chunks.
+    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows,
+                       int start_) {
         ring = ring_;
-        table = n.table;
-        shift = shift_;
-        start = n.first;
-        end = n.last;
-        chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
-#pragma unroll
-        for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
-        commit_copies();
-    }
-
-    // Waits for the ids prefetch_ids started (a workgroup with no work, before it exits).
-    CUPA_FN void drop_ids() { wait_copies<0>(); }
-
-    // After prefetch_ids: takes the partition's tokens [start_, rows.end), fetching the first
-    // ids again only if a sliding window moved the start (otherwise ids past the end are never
-    // read), waits for them, then starts the K/V copies of the first STAGES - 1 chunks.
-    CUPA_FN void begin(const C* k, const C* v, const PagedRows& rows, int start_) {
         const int u = threadIdx.x % R::UNITS;
         const i64 unit = rows.head_offset * (i64)sizeof(C) + 16 * u;
         k_src = reinterpret_cast<const unsigned char*>(k) + unit;
         v_src = reinterpret_cast<const unsigned char*>(v) + unit;
+        table = rows.table;
         block_bytes = (u32)(rows.block_stride * (i64)sizeof(C));
+        shift = rows.shift;
         row_mask = (1 << rows.shift) - 1;
         end = rows.end;
         num_blocks = rows.num_blocks;
         const int r0 = threadIdx.x / R::UNITS;
         dst = r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0));
-        const bool refetch = start_ != start;
         start = start_;
         chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
-        if (refetch) {
-            wait_copies<0>();  // this thread's earlier copies into the same slots
 #pragma unroll
-            for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
-            commit_copies();
-        }
+        for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
+        commit_copies();
         wait_copies<0>();
         __syncthreads();
 #pragma unroll
@@ -353,24 +335,19 @@ struct KvStream {
 };
 
 // The tensor-core kernels' prologue: which work this workgroup owns (begin_partition) and the
-// start of its K/V stream. The first block ids are requested before the sequence's length, so
-// the two round trips overlap (measured level on the bench shapes, docs/perf.md v13: a length
-// is one small read) and the two kernels share one prologue. Returns false, after the ids have
-// landed, when the workgroup has no work.
+// start of its K/V stream. Returns false when the workgroup has no work. (Requesting the first
+// block ids before the sequence's length was tried: level where every workgroup works, and
+// workgroups with no work, such as those before a sliding window, then had to wait for ids
+// they never used; docs/perf.md v13.)
 template <typename T, typename C, int ROWS, int D>
 CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D>& kv, unsigned char* ring,
                           CUPA_PARTITION_PARAMS(T, C)) {
-    kv.prefetch_ids(ring, nominal_partition(block_tables, max_blocks_per_seq, block_size,
-                                            partition_size),
-                    __ffs(block_size) - 1);
     if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
                                      sliding_window, num_tokens, num_heads, num_kv_heads,
                                      block_size, max_blocks_per_seq, partition_size,
-                                     max_partitions, head_chunks)) {
-        kv.drop_ids();
+                                     max_partitions, head_chunks))
         return false;
-    }
-    kv.begin(key_cache, value_cache,
+    kv.begin(ring, key_cache, value_cache,
              paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads, block_size,
                         num_blocks, D),
              w.start);
