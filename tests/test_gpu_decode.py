@@ -164,8 +164,8 @@ def test_stream_and_foreign_arrays(rng):
     case = make_case(rng, dtype="float16", head_size=96, group=4, seq_lens=(5, 900))
     args, _ = to_gpu(case)
     stream = cupy.cuda.Stream(non_blocking=True)
-    # The uploads ran on the default stream, which a non-blocking stream does not wait for (their
-    # DMA may still be in flight: a flaky failure under load before this line existed).
+    # The uploads ran on the default stream, which a non-blocking stream does not wait for: their
+    # DMA may still be in flight (the likely cause of a one-off failure under load).
     stream.wait_event(cupy.cuda.get_current_stream().record())
     out = cupa.decode(*args, stream=stream)
     stream.synchronize()

@@ -732,7 +732,7 @@ CUPA_FN void decode_partition_mma8(
 #pragma unroll
     for (int u = 0; u < WS; ++u) r0[u] = (warp * WS + u) * STEP;
     // Up to head 128 K and V are loaded together; at 256 their 128 registers would not fit
-    // beside the rest (and the next chunk's K), so V follows the QK product.
+    // beside the rest, so V follows the QK product.
     auto load_chunk = [&](const unsigned char* st, int chunk, KvStep<C, D, true> (&f)[WS],
                           bool (&valid)[WS][2]) {
 #pragma unroll
