@@ -44,9 +44,9 @@ def add_arguments(parser):
     parser.add_argument("--plot", metavar="FILE.png", help="draw TB/s against KV size")
 
 
-# Reads every word of the flush buffer and writes nothing (the branch never fires, but the
-# compiler cannot know that, so the loads stay).
-_READ_FLUSH = r"""
+# The read flush reads every word of the flush buffer and writes nothing (the branch never
+# fires, but the compiler cannot know that, so the loads stay).
+_FLUSH_KERNELS = r"""
 extern "C" __global__ void cupa_read_flush(const unsigned int* p, unsigned long long n,
                                            unsigned int* sink) {
     unsigned int acc = 0;
@@ -55,7 +55,17 @@ extern "C" __global__ void cupa_read_flush(const unsigned int* p, unsigned long 
         acc ^= p[i];
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
+
+// Holds the stream for `cycles` clocks: after the read flush, so that the host has enqueued the
+// timed launch before the start event fires (the read is shorter than an eager cupa.decode call's
+// host time; the write flush takes long enough by itself).
+extern "C" __global__ void cupa_hold(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
 """
+HOLD_CYCLES = 1 << 20  # ~0.5 ms at 2 GHz
 
 
 class Timer:
@@ -79,7 +89,8 @@ class Timer:
             raise ValueError(f"flush: 'read' or 'write', got {flush!r}")
         self.flush_mode = flush
         if flush == "read":
-            self._reader = cupy.RawKernel(_READ_FLUSH, "cupa_read_flush")
+            self._reader = cupy.RawKernel(_FLUSH_KERNELS, "cupa_read_flush")
+            self._hold = cupy.RawKernel(_FLUSH_KERNELS, "cupa_hold")
             self._sink = cupy.zeros(1, dtype=cupy.uint32)
 
     def flush(self):
@@ -88,6 +99,7 @@ class Timer:
             return
         words = self.flush_buffer.view(self.cupy.uint32)
         self._reader((1024,), (256,), (words, np.uint64(words.size), self._sink))
+        self._hold((1,), (1,), (np.int64(HOLD_CYCLES),))
 
     def median_us(self, launch, warmup=3):
         for _ in range(warmup):
