@@ -89,7 +89,8 @@ class DecodePlan:
 
     Attributes: `shape` (the planned DecodeShape), `backend`, `options`, and on the GPU `out` and
     `lse` (the plan's own output buffers, returned by `run` unless it is given `out`),
-    `partition_size`, `max_partitions`, `max_query_len` and `kernel` (the phase-1 kernel's name).
+    `partition_size`, `max_partitions`, `max_query_len`, `kernel` (the phase-1 kernel's name) and
+    `merge` (how the partitions are merged).
     """
 
     def __init__(self, shape: DecodeShape, backend: str, options: DecodeOptions, *, query_dtype,
@@ -136,6 +137,15 @@ class DecodePlan:
     @property
     def kernel(self) -> str | None:
         return self._launch_plan.variant.partition_name if self.backend == "gpu" else None
+
+    @property
+    def merge(self) -> str | None:
+        """How the partitions are merged: "single" (one partition, no merge), "cluster" (on
+        chip, within thread-block clusters) or "reduce" (the reduce launch)."""
+        if self.backend != "gpu":
+            return None
+        plan = self._launch_plan
+        return "single" if plan.single_partition else "cluster" if plan.cluster_merge else "reduce"
 
     def run(self, query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
             alibi_slopes=None, sinks=None, out=None, stream=None):

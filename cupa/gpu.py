@@ -38,7 +38,7 @@ class Workspace:
 
 
 def allocate_workspace(plan: LaunchPlan, shape: DecodeShape) -> Workspace:
-    if plan.single_partition:
+    if not plan.reduce_launch:  # one partition, or clusters merging in shared memory
         return Workspace()
     cupy = cupy_module()
     partials = (shape.num_tokens, shape.num_heads, plan.max_partitions)
@@ -71,22 +71,31 @@ def _device_factors(raw: bytes, device_index: int):
 def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_index: int, *,
            out, lse, query, key_cache, value_cache, kv_scales, block_tables, seq_lens,
            query_start_loc, alibi_slopes, sinks):
-    """Enqueue phase 1 (and phase 2 unless a single partition covers every sequence)."""
+    """Enqueue phase 1, and the reduce where the partitions neither are one nor merge within
+    clusters."""
     if shape.num_seqs == 0:
         return
     kernels = compiled_kernels(plan.variant, device_index)
     i32 = np.int32
     grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
-    kernels[plan.variant.partition_name](grid, (variants.THREADS,), (
+    partition = kernels[plan.variant.partition_name]
+    args = (
         out, _ptr(lse), _ptr(workspace.part_acc), _ptr(workspace.part_max),
         _ptr(workspace.part_sum), query, key_cache, value_cache, _ptr(kv_scales), block_tables,
         seq_lens, _ptr(query_start_loc), _ptr(alibi_slopes), _ptr(sinks),
         np.float32(shape.scale), np.float32(shape.logits_soft_cap), i32(shape.sliding_window),
         i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
         i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
-        i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks)),
-        shared_mem=plan.variant.shared_bytes)
-    if not plan.single_partition:
+        i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
+        i32(plan.cluster_merge))
+    if plan.cluster_merge:  # one cluster per (sequence, KV head, row chunk): all its partitions
+        chained_launch.launch_clustered(partition, grid, (variants.THREADS, 1, 1), args,
+                                        cupy_module().cuda.get_current_stream().ptr,
+                                        cluster=(1, plan.max_partitions, 1),
+                                        shared_bytes=plan.variant.shared_bytes)
+    else:
+        partition(grid, (variants.THREADS,), args, shared_mem=plan.variant.shared_bytes)
+    if plan.reduce_launch:
         reduce_grid = (shape.num_heads, plan.max_query_len, shape.num_seqs)
         reduce_args = (
             out, _ptr(lse), workspace.part_acc, workspace.part_max, workspace.part_sum, seq_lens,

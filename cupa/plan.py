@@ -23,11 +23,19 @@ class LaunchPlan:
     partition_size: int    # tokens per partition
     max_partitions: int    # partitions of the longest possible sequence
     max_query_len: int = 1  # new tokens per sequence the grid covers
+    # The partitions of each (sequence, KV head, row chunk) run as one thread-block cluster and
+    # merge on chip, with no reduce launch (variants.merges_in_cluster).
+    cluster_merge: bool = False
 
     @property
     def single_partition(self) -> bool:
         """One partition covers every sequence: phase 1 writes the output, no reduce pass."""
         return self.max_partitions == 1
+
+    @property
+    def reduce_launch(self) -> bool:
+        """Whether phase 2 runs as its own launch (the reduce kernel, over global partials)."""
+        return not self.single_partition and not self.cluster_merge
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -83,4 +91,5 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     if shape.num_seqs > MAX_GRID_YZ:
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
-                      max_partitions=max_partitions, max_query_len=max_query_len)
+                      max_partitions=max_partitions, max_query_len=max_query_len,
+                      cluster_merge=variants.merges_in_cluster(variant, arch, max_partitions))

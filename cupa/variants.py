@@ -227,6 +227,31 @@ def chains_reduce(arch: str) -> bool:
     return _sm(arch) >= CHAINED_REDUCE_MIN_SM
 
 
+# From sm_90 the partitions of a (sequence, KV head) may run as one thread-block cluster and
+# merge through distributed shared memory instead of a reduce launch (merge_cluster in
+# decode_mma.cu), for the tensor-core kernels and up to MAX_CLUSTER partitions. The planner uses
+# clusters of 2 (16 x 16384: 263.0 -> 257.6 us). Larger ones measured level or slower: a
+# 16-block cluster at 1 x 4096 16.7 -> 17.1 us, and clusters of 4 at 8 x 4096 50.5 -> 69.4 us,
+# since only 62 such clusters (248 blocks) are resident at once on the H200 against 264 blocks
+# without clusters, so 64 of them took two waves (docs/perf.md v14).
+CLUSTER_MERGE_MIN_SM = 90
+MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes
+PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
+MERGE_FORMS = ("auto", "cluster", "reduce")
+
+
+def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
+    """Whether a launch of `variant` with `max_partitions` partitions merges them within
+    clusters. CUPA_MERGE in the environment: auto (the planner's rule), cluster (wherever the
+    kernel can, up to MAX_CLUSTER) or reduce (never); for tests and benchmarks."""
+    form = os.environ.get("CUPA_MERGE", "auto")
+    if form not in MERGE_FORMS:
+        raise ValueError(f"CUPA_MERGE: one of {MERGE_FORMS}, got {form!r}")
+    largest = {"auto": PLANNED_CLUSTER, "cluster": MAX_CLUSTER, "reduce": 1}[form]
+    return (isinstance(variant, DecodeMmaVariant) and _sm(arch) >= CLUSTER_MERGE_MIN_SM
+            and 1 < max_partitions <= largest)
+
+
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
                    kv_format: str | None = None):
     """The phase-1 variant for a problem on a target: `rows` = query rows per KV head (GQA group

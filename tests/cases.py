@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -104,3 +106,19 @@ def rel_error(out, ref) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+@contextlib.contextmanager
+def environ(**values):
+    """Environment variables set for the block (the planner reads CUPA_KERNEL and CUPA_MERGE
+    at each call), restored after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -6,8 +6,6 @@ sequence uses, poisons the output before the launch, and compares by ||out - ref
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -16,7 +14,7 @@ from cupa import variants
 from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
-from cases import REL_BOUND, make_case, rel_error
+from cases import REL_BOUND, environ, make_case, rel_error
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
@@ -41,39 +39,35 @@ def kernel_modes(case):
     return ("auto", "portable") if eligible else ("auto",)
 
 
+# (partition size, merge form): forced short partitions merged by the reduce launch and within
+# clusters (sm_90, tensor-core kernels; elsewhere the reduce again), the planner's choice, and one
+# partition of the whole capacity.
+PARTITIONINGS = ((PARTITION, "reduce"), (PARTITION, "cluster"), (None, "auto"),
+                 ("capacity", "auto"))
+
+
 def run_and_check(case, dtype, **kwargs):
-    """Decode on the GPU with a NaN-poisoned output, three partitionings and every kernel that
-    applies, against the reference."""
+    """Decode on the GPU with a NaN-poisoned output, every partitioning and merge form and
+    every kernel that applies, against the reference."""
+    import cupy
     ref_out, ref_lse = paged_decode_reference(*case.args(), **case.options())
     args, options = to_gpu(case)
     capacity = case.block_tables.shape[1] * case.key_cache.shape[2]
-    saved = os.environ.get("CUPA_KERNEL")
-    try:
-        for mode in kernel_modes(case):
-            os.environ["CUPA_KERNEL"] = mode
-            check_partitionings(case, dtype, args, options, capacity, ref_out, ref_lse, mode,
-                                **kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop("CUPA_KERNEL", None)
-        else:
-            os.environ["CUPA_KERNEL"] = saved
-
-
-def check_partitionings(case, dtype, args, options, capacity, ref_out, ref_lse, mode, **kwargs):
-    import cupy
-    for partition_size in (PARTITION, None, capacity):
-        out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
-        result, lse = cupa.decode(*args, **options, out=out,
-                                  return_lse=True, partition_size=partition_size, **kwargs)
-        assert result is out
-        got = cupy.asnumpy(out).astype(np.float64)
-        where = f"kernel={mode}, partition_size={partition_size}"
-        assert np.isfinite(got).all(), f"non-finite output ({where})"
-        err = rel_error(got, ref_out)
-        assert err <= REL_BOUND[dtype], f"rel error {err:.3g} > {REL_BOUND[dtype]} ({where})"
-        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4,
-                                   err_msg=f"lse ({where})")
+    for mode in kernel_modes(case):
+        for partition_size, merge in PARTITIONINGS:
+            size = capacity if partition_size == "capacity" else partition_size
+            where = f"kernel={mode}, partition_size={size}, merge={merge}"
+            out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
+            with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
+                result, lse = cupa.decode(*args, **options, out=out, return_lse=True,
+                                          partition_size=size, **kwargs)
+            assert result is out
+            got = cupy.asnumpy(out).astype(np.float64)
+            assert np.isfinite(got).all(), f"non-finite output ({where})"
+            err = rel_error(got, ref_out)
+            assert err <= REL_BOUND[dtype], f"rel error {err:.3g} > {REL_BOUND[dtype]} ({where})"
+            np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4,
+                                       err_msg=f"lse ({where})")
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
@@ -119,14 +113,43 @@ def test_many_sequences_single_partition(rng):
     run_and_check(case, "bfloat16")
 
 
-@pytest.mark.parametrize("chained", ["1", "0"], ids=["chained_reduce", "ordinary_reduce"])
-def test_reduce_launch_forms(rng, monkeypatch, chained):
-    """The reduce launched as a programmatic dependent of phase 1 (sm_90) and the ordinary way
-    give the same, correct results, with many partitions and with sinks and empty sequences."""
+@pytest.mark.parametrize("chained, merge", [("1", "reduce"), ("0", "reduce"), ("1", "cluster")],
+                         ids=["chained_reduce", "ordinary_reduce", "cluster"])
+def test_merge_forms(rng, monkeypatch, chained, merge):
+    """The reduce launched as a programmatic dependent of phase 1 (sm_90), the ordinary way, and
+    clusters merging on chip (sm_90) give the same, correct results, with many partitions and
+    with sinks and empty sequences."""
     monkeypatch.setenv("CUPA_CHAINED_REDUCE", chained)
+    monkeypatch.setenv("CUPA_MERGE", merge)
     case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=2,
                      group=8, seq_lens=(0, 1, 257, 3000, 9000), sinks=True)
     run_and_check(case, "float16")
+
+
+@pytest.mark.parametrize("num_partitions", [2, 8, 9, 16])
+def test_cluster_merge_sizes(rng, monkeypatch, num_partitions):
+    """Partitions merged within clusters of 2 to 16 blocks (above 8 the kernel opts in to
+    non-portable sizes), where the tensor-core kernels run on sm_90; ragged lengths leave some
+    blocks of a cluster without work, one sequence has a single partition with work, and one
+    none."""
+    import cupy
+    from cupa.device import device_info
+    monkeypatch.setenv("CUPA_MERGE", "cluster")
+    lengths = (0, 100, 256 * num_partitions - 5, 257, 128 * num_partitions + 3)
+    case = make_case(rng, dtype="bfloat16", head_size=128, block_size=16, num_kv_heads=2,
+                     group=8, seq_lens=lengths, sinks=True, spare_columns=0)
+    args, options = to_gpu(case)
+    plan = cupa.plan_decode(*args, **options, return_lse=True, partition_size=256)
+    assert plan.max_partitions == num_partitions
+    clusters = variants.merges_in_cluster(plan._launch_plan.variant, device_info().target.arch,
+                                          num_partitions)
+    assert plan.merge == ("cluster" if clusters else "reduce")
+    ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
+    for _ in range(2):  # a second run on the same plan
+        plan.out.fill(np.nan)
+        out, lse = plan.run(*args, sinks=options["sinks"])
+        assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["bfloat16"]
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4)
 
 
 def test_numpy_inputs_give_numpy_outputs(rng):

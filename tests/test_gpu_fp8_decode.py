@@ -13,7 +13,7 @@ import cupa
 from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
-from cases import make_case, rel_error
+from cases import environ, make_case, rel_error
 from test_gpu_decode import PARTITION, kernel_modes
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
@@ -41,7 +41,6 @@ def quantized(case, fmt, rng, per_head):
 
 
 def check_fp8(case, fmt, rng, per_head=True):
-    import os
     import cupy
     (k8, v8), (k_ref, v_ref), (k_scale, v_scale) = quantized(case, fmt, rng, per_head)
     q, _, _, tables, lens = case.args()
@@ -49,27 +48,21 @@ def check_fp8(case, fmt, rng, per_head=True):
     ref, ref_lse = paged_decode_reference(q, k_ref, v_ref, tables, lens, **options)
     args = [cupy.asarray(x) for x in (q, k8, v8, tables, lens)]
     device_options = case.options(cupy.asarray)
-    saved = os.environ.get("CUPA_KERNEL")
-    try:
-        for mode in kernel_modes(case):
-            os.environ["CUPA_KERNEL"] = mode
-            for partition_size in (PARTITION, None):
-                out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    for mode in kernel_modes(case):
+        for partition_size, merge in ((PARTITION, "reduce"), (PARTITION, "cluster"),
+                                      (None, "auto")):
+            out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+            with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
                 _, lse = cupa.decode(*args, **device_options, kv_format=fmt, k_scale=k_scale,
                                      v_scale=v_scale, out=out, return_lse=True,
                                      partition_size=partition_size)
-                got = cupy.asnumpy(out).astype(np.float64)
-                where = f"kernel={mode}, partition_size={partition_size}, {fmt}"
-                assert np.isfinite(got).all(), f"non-finite output ({where})"
-                err = rel_error(got, ref)
-                assert err <= FP8_REL_BOUND, f"rel error {err:.3g} ({where})"
-                np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=1e-3,
-                                           err_msg=f"lse ({where})")
-    finally:
-        if saved is None:
-            os.environ.pop("CUPA_KERNEL", None)
-        else:
-            os.environ["CUPA_KERNEL"] = saved
+            got = cupy.asnumpy(out).astype(np.float64)
+            where = f"kernel={mode}, partition_size={partition_size}, merge={merge}, {fmt}"
+            assert np.isfinite(got).all(), f"non-finite output ({where})"
+            err = rel_error(got, ref)
+            assert err <= FP8_REL_BOUND, f"rel error {err:.3g} ({where})"
+            np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=1e-3,
+                                       err_msg=f"lse ({where})")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

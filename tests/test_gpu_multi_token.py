@@ -59,9 +59,15 @@ def _fixed_case(rng, seq_lens, new_tokens, num_blocks, width, **kwargs):
                      num_blocks=num_blocks, spare_columns=width - needed, **kwargs)
 
 
-@pytest.mark.parametrize("partitioned", [False, True], ids=["single", "split"])
-def test_graph_capture_replays_with_new_contents(rng, partitioned):
+@pytest.mark.parametrize("merge", [None, "reduce", "cluster"],
+                         ids=["single", "split_reduce", "split_cluster"])
+def test_graph_capture_replays_with_new_contents(rng, monkeypatch, merge):
+    """Replays of a captured plan decode new contents; split plans merge their partitions with
+    the reduce launch or within clusters (sm_90)."""
     import cupy
+    partitioned = merge is not None
+    if partitioned:
+        monkeypatch.setenv("CUPA_MERGE", merge)
     num_blocks, width = 300, 160  # capacity 2560 tokens
     trials = [((2500, 30, 1, 700), (4, 1, 2, 3)), ((17, 2560, 900, 5), (3, 3, 2, 2)),
               ((1, 4, 2000, 64), (1, 4, 4, 1))]
@@ -72,6 +78,14 @@ def test_graph_capture_replays_with_new_contents(rng, partitioned):
                             max_seq_len=2560, return_lse=True,
                             partition_size=256 if partitioned else 2560)
     assert (plan.max_partitions > 1) == partitioned
+    if partitioned:  # clusters where the kernel can (sm_90, tensor cores), else the reduce
+        from cupa import variants
+        from cupa.device import device_info
+        clusters = variants.merges_in_cluster(plan._launch_plan.variant,
+                                              device_info().target.arch, plan.max_partitions)
+        assert plan.merge == ("cluster" if clusters else "reduce")
+    else:
+        assert plan.merge == "single"
     plan.run(*arrays, query_start_loc=loc, sinks=sinks)  # compiles outside the capture
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:

@@ -193,3 +193,36 @@ def test_chained_launch_arguments_keep_their_c_types():
     assert chained_launch._argument(np.float32(0.5)).value == 0.5
     with pytest.raises(TypeError, match="unsupported kernel argument"):
         chained_launch._argument(3)  # a Python int would be ambiguous: never passed
+
+
+def test_cluster_launch_without_the_driver_call_says_what_to_do(monkeypatch):
+    from cupa import chained_launch
+    monkeypatch.setattr(chained_launch, "_driver", lambda: None)
+    with pytest.raises(RuntimeError, match="CUPA_MERGE=reduce"):
+        chained_launch.launch_clustered(None, (1, 2, 1), (128, 1, 1), (), 0, cluster=(1, 2, 1),
+                                        shared_bytes=0)
+
+
+def test_partitions_merge_in_clusters_of_two_on_sm90(monkeypatch):
+    monkeypatch.delenv("CUPA_MERGE", raising=False)
+    two = make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90", max_seq_len=16384)
+    assert two.max_partitions == 2 and two.cluster_merge and not two.reduce_launch
+    many = make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
+    assert many.max_partitions > 2 and not many.cluster_merge and many.reduce_launch
+    on_sm80 = make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_80")
+    assert on_sm80.max_partitions == 2 and not on_sm80.cluster_merge and on_sm80.reduce_launch
+    portable = make_plan(shape(batch=16, seq_len=16384, dtype="float32"), H200_SMS, arch="sm_90")
+    assert portable.max_partitions > 1 and not portable.cluster_merge  # the portable kernel
+    single = make_plan(shape(batch=256, seq_len=2048), H200_SMS, arch="sm_90", max_seq_len=2048)
+    assert single.single_partition and not single.cluster_merge and not single.reduce_launch
+
+    monkeypatch.setenv("CUPA_MERGE", "cluster")  # wherever the kernel can: up to 16 blocks
+    assert make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90",
+                     max_seq_len=4096).cluster_merge
+    assert not make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90",
+                         partition_size=128).cluster_merge  # 32 partitions: the reduce
+    monkeypatch.setenv("CUPA_MERGE", "reduce")
+    assert not make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90").cluster_merge
+    monkeypatch.setenv("CUPA_MERGE", "sometimes")
+    with pytest.raises(ValueError, match="CUPA_MERGE"):
+        make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90")

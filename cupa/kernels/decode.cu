@@ -59,13 +59,15 @@ CUPA_FN void decode_partition(
     if (!begin_partition<T, HT, D>(w, out, lse, seq_lens, query_start_loc, sinks, sliding_window,
                                    num_tokens, num_heads, num_kv_heads, block_size,
                                    max_blocks_per_seq, partition_size, max_partitions,
-                                   head_chunks))
+                                   head_chunks, cluster_merge))
         return;
     const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
                                       block_size, num_blocks, D);
     const int tid = threadIdx.x;
     const int nh = w.nh, start = w.start, end = w.end;
-    const bool single = max_partitions == 1;
+    // Here that means max_partitions == 1: the host merges in clusters only with the
+    // tensor-core kernels.
+    const bool single = w.writes_output;
 
     const float q_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     for (int i = tid; i < HT * D; i += CUPA_THREADS) {

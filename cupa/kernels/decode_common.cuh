@@ -24,12 +24,12 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
         const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, float scale,    \
         float soft_cap, i32 sliding_window, i32 num_tokens, i32 num_heads, i32 num_kv_heads,     \
         i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
-        i32 max_partitions, i32 head_chunks
+        i32 max_partitions, i32 head_chunks, i32 cluster_merge
 #define CUPA_PARTITION_ARGS                                                                      \
     out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, kv_scales,            \
         block_tables, seq_lens, query_start_loc, alibi_slopes, sinks, scale, soft_cap,           \
         sliding_window, num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq,     \
-        num_blocks, partition_size, max_partitions, head_chunks
+        num_blocks, partition_size, max_partitions, head_chunks, cluster_merge
 
 // Most new tokens per sequence in one call (multi-token decode for speculative decoding).
 constexpr int MAX_QUERY_LEN = 16;
@@ -113,6 +113,10 @@ struct PartitionWork {
     int q_len, tok0;  // new tokens of the sequence: query rows [tok0, tok0 + q_len)
     int row0, nh;     // this workgroup's rows: row0 .. row0 + nh - 1 of the sequence's rows
     int seq_len, start, end;  // tokens [start, end) of a sequence of seq_len tokens
+    int first, parts;  // the sequence's partitions with work: [first, first + parts)
+    // Whether this workgroup writes the final output and lse itself: a single-partition launch,
+    // or the only partition with work when the launch merges within a cluster.
+    bool writes_output;
 
     // Index of local row r in the [num_tokens * num_heads] rows of query, out and lse.
     CUPA_FN i64 row_index(int r) const {
@@ -130,7 +134,7 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
                              const i32* query_start_loc, const float* sinks, i32 sliding_window,
                              i32 num_tokens, i32 num_heads, i32 num_kv_heads, i32 block_size,
                              i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
-                             i32 head_chunks) {
+                             i32 head_chunks, i32 cluster_merge) {
     w.num_heads = num_heads;
     w.group = num_heads / num_kv_heads;
     const int chunk = blockIdx.x % head_chunks;
@@ -146,8 +150,14 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
     // Partitions wholly before the sliding window exit here, so work scales with the window.
     w.start = cmax(w.part * partition_size, window_first(w.seq_len - w.q_len, sliding_window));
     w.end = cmin(w.part * partition_size + partition_size, w.seq_len);
+    w.first = first_partition(w.seq_len, w.q_len, sliding_window, partition_size);
+    w.parts = (w.seq_len + partition_size - 1) / partition_size - w.first;
+    // Without a reduce launch, the sequence's own partitions write its output.
+    const bool merged_here = max_partitions == 1 || cluster_merge;
+    w.writes_output = merged_here && w.parts == 1;
     if (w.start < w.end) return true;
-    if (max_partitions == 1 && w.part == 0) {  // an empty sequence: zeros, lse = sink or -inf
+    // An empty sequence: zeros, lse = sink or -inf.
+    if (merged_here && w.parts == 0 && w.part == 0) {
         for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS)
             Elem<T>::store(out + w.row_index(i / D) * D + i % D, 0.0f);
         const int h = threadIdx.x;

@@ -78,18 +78,116 @@ template <> struct MmaOp<cupa_bf16> {
 };
 
 
+// ---- Merging the partitions of a cluster (sm_90) ----------------------------------------------
+// Where the planner chooses it (plan.py), the partitions of one (sequence, KV head, row chunk)
+// run as one thread-block cluster and merge through distributed shared memory, with no reduce
+// launch: every workgroup with work leaves its rows' max, sum and unnormalised output in its own
+// shared memory, and after a cluster barrier each of them merges a slice of the rows' columns
+// from all of them. The reduce launch measured 2.7-4.4 us a call even when chained, and a merge
+// through global memory by the last workgroup was no cheaper (docs/perf.md v14); the cluster
+// barrier and the shared-memory reads stay on chip. Workgroups without work exit at once:
+// blocks that exited count as arrived at the barrier (checked on the H200).
+constexpr int MAX_CLUSTER = 16;  // partitions a cluster merges (the non-portable sm_90 limit)
+
+CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+CUPA_FN void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();  // the host launches clusters on sm_90+ only
+#endif
+}
+
+// Loads from the shared memory of the cluster's block `rank` at the address `local` has here.
+CUPA_FN u32 cluster_address(u32 local, int rank) {
+    u32 remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+#endif
+    return remote;
+}
+CUPA_FN float cluster_load(u32 address) {
+    float x = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(address) : "memory");
+#endif
+    return x;
+}
+CUPA_FN void cluster_load4(u32 address, float* x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(address) : "memory");
+#endif
+}
+
+// The cross-partition merge: row r's max and sum are row_m[r], row_l[r] and its unnormalised
+// output o_s[w0][tr] in every working block of the cluster (its rank is its partition). Each
+// working block takes a slice of the (row, 4 columns) units; each unit's loads from all
+// partitions are issued before any is used.
+template <typename T, int D, int TILE_ROWS>
+CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const float* row_l,
+                           int warps_per_tile, T* out, float* lse, const float* sinks,
+                           const PartitionWork& w) {
+    constexpr int GROUPS = D / 4;
+    cluster_sync();  // every working block's rows are in its shared memory
+    const int units = w.nh * GROUPS;
+    for (int u = (w.part - w.first) * CUPA_THREADS + threadIdx.x; u < units;
+         u += w.parts * CUPA_THREADS) {
+        const int r = u / GROUPS, col = 4 * (u % GROUPS);
+        const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
+        float mp[MAX_CLUSTER], lp[MAX_CLUSTER], op[MAX_CLUSTER][4];
+#pragma unroll
+        for (int p = 0; p < MAX_CLUSTER; ++p) {
+            if (p >= w.parts) break;
+            mp[p] = cluster_load(cluster_address(shared_address(row_m + r), w.first + p));
+            lp[p] = cluster_load(cluster_address(shared_address(row_l + r), w.first + p));
+            cluster_load4(cluster_address(shared_address(&o_s[w0][tr][col]), w.first + p),
+                          op[p]);
+        }
+        float top = neg_inf();
+#pragma unroll
+        for (int p = 0; p < MAX_CLUSTER; ++p)
+            if (p < w.parts) top = max_f(top, mp[p]);
+        const float use = top == neg_inf() ? 0.f : top;
+        float total = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int p = 0; p < MAX_CLUSTER; ++p) {
+            if (p >= w.parts) break;
+            const float f = fast_exp2(mp[p] - use);
+            total += f * lp[p];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[e] += f * op[p][e];
+        }
+        const i64 head = w.row_index(r);
+        float lse_value;
+        const float factor = finish_head(top, total, sink_of(sinks, head, w.num_heads), lse_value);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Elem<T>::store(out + head * D + col + e, acc[e] * factor);
+        if (lse != nullptr && col == 0) lse[head] = lse_value;
+    }
+    cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
 // Epilogue shared by the mma kernels. Rows come in tiles of TILE_ROWS; the warps of a tile
 // (warps_per_tile consecutive warps) each left its unnormalised output rows, running max and sum
-// in shared memory. Combine them and write the final output (one partition) or this partition's
-// float32 partials; v_scale is the fp8 value scale (1 otherwise). One thread per row first turns
-// the row's maxima into the warps' weights (in place of m_s) and its normalisation factor (in
-// place of the first warp's l_s), so the loop over the row's elements only multiplies and adds.
+// in shared memory. Combine them and write the final output (one partition), this partition's
+// float32 partials for the reduce launch, or (cluster merge) the combined rows in place of the
+// first warp's o_s rows for merge_cluster; v_scale is the fp8 value scale (1 otherwise). One
+// thread per row first turns the row's maxima into the warps' weights (in place of m_s) and its
+// normalisation factor (in place of the first warp's l_s), so the loop over the row's elements
+// only multiplies and adds.
 template <typename T, int D, int TILE_ROWS, int NWARPS>
-CUPA_FN void merge_warps_and_store(const float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE_ROWS],
+CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE_ROWS],
                                    float (*l_s)[TILE_ROWS], T* out, float* lse,
                                    float* part_acc, float* part_max, float* part_sum,
                                    const float* sinks, const PartitionWork& w,
-                                   int warps_per_tile, float v_scale, int max_partitions) {
+                                   int warps_per_tile, float v_scale, int max_partitions,
+                                   int cluster_merge) {
+    constexpr int MAX_ROWS = NWARPS * TILE_ROWS;
+    __shared__ float row_m[MAX_ROWS], row_l[MAX_ROWS];  // the cluster merge's inputs
+    const bool in_cluster = cluster_merge && !w.writes_output;
     for (int r = threadIdx.x; r < w.nh; r += CUPA_THREADS) {
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float m = neg_inf();
@@ -103,10 +201,13 @@ CUPA_FN void merge_warps_and_store(const float (*o_s)[TILE_ROWS][D], float (*m_s
         }
         const i64 head = w.row_index(r);
         float factor = 1.f;
-        if (max_partitions == 1) {
+        if (w.writes_output) {
             float lse_value;
             factor = finish_head(m, l, sink_of(sinks, head, w.num_heads), lse_value);
             if (lse != nullptr) lse[head] = lse_value;
+        } else if (in_cluster) {
+            row_m[r] = m;
+            row_l[r] = l;
         } else {
             part_max[head * max_partitions + w.part] = m;
             part_sum[head * max_partitions + w.part] = l;
@@ -121,9 +222,12 @@ CUPA_FN void merge_warps_and_store(const float (*o_s)[TILE_ROWS][D], float (*m_s
         float o = 0.f;
         for (int k = 0; k < warps_per_tile; ++k) o += m_s[w0 + k][tr] * o_s[w0 + k][tr][d];
         const i64 head = w.row_index(r);
-        if (max_partitions == 1) Elem<T>::store(out + head * D + d, o * l_s[w0][tr]);
+        if (w.writes_output) Elem<T>::store(out + head * D + d, o * l_s[w0][tr]);
+        else if (in_cluster) o_s[w0][tr][d] = o;  // read above by this thread only
         else part_acc[(head * max_partitions + w.part) * D + d] = o;
     }
+    if (in_cluster) merge_cluster<T, D, TILE_ROWS>(o_s, row_m, row_l, warps_per_tile, out, lse,
+                                                  sinks, w);
 }
 
 // The visible range and ALiBi slope of one query row, in the log2 domain: the row attends to
@@ -153,8 +257,6 @@ struct RowMask {
 // registers while in flight, so a workgroup keeps 24-64 KB of loads outstanding, and the warps of
 // every row tile read the same staged rows (each K/V byte crosses from DRAM once per workgroup,
 // whatever the number of rows).
-
-CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16 (4) bytes global -> shared; with valid == false nothing is read and the bytes are zeroed.
 CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
@@ -345,7 +447,7 @@ CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D>& kv, unsigned char* r
     if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
                                      sliding_window, num_tokens, num_heads, num_kv_heads,
                                      block_size, max_blocks_per_seq, partition_size,
-                                     max_partitions, head_chunks))
+                                     max_partitions, head_chunks, cluster_merge))
         return false;
     kv.begin(ring, key_cache, value_cache,
              paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads, block_size,
@@ -660,7 +762,7 @@ CUPA_FN void decode_partition_mma16(
     __syncthreads();
     merge_warps_and_store<T, D, TILE_ROWS, NWARPS>(
         o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum, sinks, w, warps_per_tile,
-        v_factor(kv_scales, w.kv_head, num_kv_heads), max_partitions);
+        v_factor(kv_scales, w.kv_head, num_kv_heads), max_partitions, cluster_merge);
 }
 
 // ---- Up to 8 query rows: rows are the N=8 columns (S^T = K Q^T, O^T = V^T P^T). -------------
@@ -870,7 +972,7 @@ CUPA_FN void decode_partition_mma8(
     merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
                                             sinks, w, NWARPS,
                                             v_factor(kv_scales, w.kv_head, num_kv_heads),
-                                            max_partitions);
+                                            max_partitions, cluster_merge);
 }
 
 }  // namespace cupa
