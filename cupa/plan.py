@@ -14,6 +14,11 @@ from .validation import DecodeShape
 
 # Grid limits shared by CUDA and HIP for the y and z dimensions.
 MAX_GRID_YZ = 65535
+# Two partitions merged within clusters are planned instead of more partitions and the reduce
+# launch from this many workgroups per multiprocessor (measured at 0.97), for partitions of at
+# most CLUSTER_PAIR_MAX_TOKENS (measured at 2048: faster; at 16384: slower).
+CLUSTER_PAIR_DENSITY = 0.9
+CLUSTER_PAIR_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,18 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         resident = (per_sm or 0) * multiprocessors
         if splits == 1 and resident and resident < workgroups <= 1.5 * resident:
             splits = 2
+        # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce
+        # launch for short one-token launches once two give about one workgroup per
+        # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
+        # pairs lose bandwidth with half the workgroups (8 x 32768: 258.1 -> 266.9 us), and so
+        # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us); docs/perf.md
+        # v14.
+        if (splits > 2 and variant.rows == 8
+                and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
+            pair = _round_up(-(-longest // 2), variant.min_partition)
+            if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
+                    and variants.merges_in_cluster(variant, arch, 2)):
+                splits = 2
         if splits == 1:
             partition_size = capacity
         else:

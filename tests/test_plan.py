@@ -226,3 +226,25 @@ def test_partitions_merge_in_clusters_of_two_on_sm90(monkeypatch):
     monkeypatch.setenv("CUPA_MERGE", "sometimes")
     with pytest.raises(ValueError, match="CUPA_MERGE"):
         make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90")
+
+
+def test_short_one_token_launches_pair_their_partitions_in_clusters(monkeypatch):
+    """From about one workgroup per multiprocessor, short one-token launches on sm_90 take two
+    partitions merged within clusters instead of more partitions and the reduce launch."""
+    monkeypatch.delenv("CUPA_MERGE", raising=False)
+    paired = make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
+    assert paired.max_partitions == 2 and paired.cluster_merge
+    longer = make_plan(shape(batch=8, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)
+    assert longer.max_partitions == 4 and longer.reduce_launch  # pairs of 16384 tokens: slower
+    fewer = make_plan(shape(batch=4, seq_len=8192), H200_SMS, arch="sm_90", max_seq_len=8192)
+    assert fewer.max_partitions > 2  # 64 workgroups would be half the multiprocessors
+    tokens = DecodeShape(num_seqs=8, num_tokens=32, num_heads=64, num_kv_heads=8, head_size=128,
+                         num_blocks=8 * 256, block_size=16, max_blocks_per_seq=256,
+                         dtype="float16", scale=0.1, has_alibi=False, sliding_window=0)
+    assert make_plan(tokens, H200_SMS, arch="sm_90", max_seq_len=4096,
+                     max_query_len=4).max_partitions == 4  # the 16-row kernel: slower in pairs
+    assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_80",
+                     max_seq_len=4096).max_partitions == 4
+    monkeypatch.setenv("CUPA_MERGE", "reduce")
+    assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90",
+                     max_seq_len=4096).max_partitions == 4
