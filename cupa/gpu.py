@@ -68,6 +68,11 @@ def _device_factors(raw: bytes, device_index: int):
         return cupy.asarray(np.frombuffer(raw, dtype=np.float32))
 
 
+def _current_stream_ptr() -> int:
+    """The stream cupy launches on now: where the driver-API launches go too."""
+    return cupy_module().cuda.get_current_stream().ptr
+
+
 def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_index: int, *,
            out, lse, query, key_cache, value_cache, kv_scales, block_tables, seq_lens,
            query_start_loc, alibi_slopes, sinks):
@@ -90,8 +95,7 @@ def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_in
         i32(plan.cluster_merge))
     if plan.cluster_merge:  # one cluster per (sequence, KV head, row chunk): all its partitions
         chained_launch.launch_clustered(partition, grid, (variants.THREADS, 1, 1), args,
-                                        cupy_module().cuda.get_current_stream().ptr,
-                                        cluster=(1, plan.max_partitions, 1),
+                                        _current_stream_ptr(), cluster=(1, plan.max_partitions, 1),
                                         shared_bytes=plan.variant.shared_bytes)
     else:
         partition(grid, (variants.THREADS,), args, shared_mem=plan.variant.shared_bytes)
@@ -105,8 +109,7 @@ def launch(plan: LaunchPlan, shape: DecodeShape, workspace: Workspace, device_in
         reduce = kernels[plan.variant.reduce_name]
         arch = device_info(device_index).target.arch
         if variants.chains_reduce(arch) and chained_launch.available():
-            stream = cupy_module().cuda.get_current_stream().ptr
             chained_launch.launch_dependent(reduce, reduce_grid, (variants.THREADS, 1, 1),
-                                            reduce_args, stream)
+                                            reduce_args, _current_stream_ptr())
         else:
             reduce(reduce_grid, (variants.THREADS,), reduce_args)
