@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+# At most 32: the tensor-core kernels' copies rely on it (KvRing::MAX_BLOCK_SIZE in decode_mma.cu).
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 # Query dtypes an fp8 cache serves (the tensor cores and the kernels' fp8 variants).

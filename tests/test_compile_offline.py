@@ -8,6 +8,7 @@ import os
 import pytest
 
 from cupa import variants
+from cupa.validation import SUPPORTED_BLOCK_SIZES
 from cupa.__main__ import compile_all
 from cupa.compiler import DEFAULT_TARGETS, hip_compiler, hip_include_dir
 
@@ -60,8 +61,9 @@ def test_every_variant_compiles(results, target):
 
 def test_ring_layout_of_the_python_mirror_matches_the_kernels():
     """variants.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory and steps
-    per warp (the planner and the launch use them); the kernel source states them again
-    (KvRing, mma_shared_bytes). The compiler checks that both say the same, for every variant."""
+    per warp (the planner and the launch use them), and validation the block sizes a cache may
+    have; the kernel source states them again (KvRing, mma_shared_bytes). The compiler checks
+    that both say the same, for every variant."""
     require_compilers([nvrtc_missing()])
     from cupa.compiler import Target, _compile_nvrtc
     mma = variants.all_mma_variants()
@@ -71,6 +73,8 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
         checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, {v.heads}>() "
                    f"== {v.shared_bytes}, \"{v.partition_name}: shared bytes\");",
                    f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::WARP_STEPS == "
-                   f"{v.warp_steps}, \"{v.partition_name}: steps per warp\");"]
+                   f"{v.warp_steps}, \"{v.partition_name}: steps per warp\");",
+                   f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
+                   f"{max(SUPPORTED_BLOCK_SIZES)}, \"{v.partition_name}: block sizes\");"]
     source = variants.batch_source(mma[:1]) + "\n".join(checks) + "\n"
     assert _compile_nvrtc(source, "ring_layout", Target("sm_90")) > 0

@@ -41,8 +41,14 @@ def quantized(case, fmt, rng, per_head):
 
 
 def check_fp8(case, fmt, rng, per_head=True):
+    check_fp8_codes(case, fmt, *quantized(case, fmt, rng, per_head))
+
+
+def check_fp8_codes(case, fmt, codes, dequantized, scales):
+    """Every kernel and merge form on the case's query with caches of fp8 `codes`, against the
+    reference on their `dequantized` values."""
     import cupy
-    (k8, v8), (k_ref, v_ref), (k_scale, v_scale) = quantized(case, fmt, rng, per_head)
+    (k8, v8), (k_ref, v_ref), (k_scale, v_scale) = codes, dequantized, scales
     q, _, _, tables, lens = case.args()
     options = case.options()
     ref, ref_lse = paged_decode_reference(q, k_ref, v_ref, tables, lens, **options)
@@ -74,6 +80,22 @@ def test_fp8_matrix(rng, dtype, head_size, block_size, group, fmt):
     case = make_case(rng, dtype=dtype, head_size=head_size, block_size=block_size,
                      num_kv_heads=2, group=group, seq_lens=(1, 255, 257, 700, 2000))
     check_fp8(case, fmt, rng, per_head=bool(group % 2))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_fp8_every_finite_code(rng, fmt, head_size):
+    """Caches drawn uniformly from all finite codes: subnormals, both zeros and the largest
+    magnitudes go through each kernel's widening (the hardware conversion and the software
+    one), which N(0, 1) data at the usual scales reaches only in part."""
+    case = make_case(rng, dtype="float16", head_size=head_size, block_size=16, num_kv_heads=2,
+                     group=8, seq_lens=(300, 1000))
+    nan_codes = {"fp8_e4m3": (0x7f, 0xff), "fp8_e4m3fnuz": (0x80,)}[fmt]
+    finite = np.array([c for c in range(256) if c not in nan_codes], dtype=np.uint8)
+    scales = (1 / 256, 1 / 64)  # logits of a few units, values up to 7
+    codes = [rng.choice(finite, size=c.shape) for c in (case.key_cache, case.value_cache)]
+    dequantized = [cupa.dequantize_fp8(c, fmt, s) for c, s in zip(codes, scales)]
+    check_fp8_codes(case, fmt, codes, dequantized, scales)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -227,12 +227,6 @@ template <> struct Elem<cupa_fp8> {
     CUPA_FN static void widen(const cupa_u32x4& r, float* f) {
         widen_word(r.x, f); widen_word(r.y, f + 4); widen_word(r.z, f + 8); widen_word(r.w, f + 12);
     }
-    // Codes of bytes 0 and 1 (hi = false) or 2 and 3 (hi = true) of w as a packed float16 pair.
-    CUPA_FN static u32 half_pair(u32 w, bool hi) {
-        const u32 t = hi ? ((w >> 16) & 0xffu) | ((w >> 8) & 0xff0000u)
-                         : (w & 0xffu) | ((w & 0xff00u) << 8);
-        return ((t & 0x007f007fu) << 7) | ((t & 0x00800080u) << 8);
-    }
 };
 
 template <typename T>

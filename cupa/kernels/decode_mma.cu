@@ -91,6 +91,25 @@ constexpr int MAX_CLUSTER = 16;  // partitions a cluster merges (the non-portabl
 
 CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// x, which the compiler must then keep in a register as it is: it can no longer rebuild a
+// per-thread value from threadIdx, or a pointer from a uniform base plus an offset, inside the
+// loop that uses it (which it does to save registers the kernel has to spare).
+CUPA_FN const unsigned char* pinned(const unsigned char* x) {
+    asm("" : "+l"(x));
+    return x;
+}
+CUPA_FN int pinned(int x) {
+    asm("" : "+r"(x));
+    return x;
+}
+
+// base + a * b with a 32 x 32 -> 64-bit multiply-add: one instruction.
+CUPA_FN const unsigned char* offset_wide(const unsigned char* base, u32 a, u32 b) {
+    const unsigned char* r;
+    asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(a), "r"(b), "l"(base));
+    return r;
+}
+
 CUPA_FN void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n"
@@ -303,11 +322,20 @@ struct KvRing {
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
-    static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;  // rows one copy instruction covers
+    // A copy pass is one cp.async a thread: whole rows, a warp's instruction covering 512
+    // contiguous bytes (2-4 rows). Rows ROWS_PER_PASS apart share a swizzle (see pass_offset).
+    static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
                   "ring layout: a thread's copy rows share their swizzle (see pass_offset)");
     static_assert(CHUNK <= CUPA_THREADS, "one thread copies each token's block id");
+    // A thread's rows in passes p and p + PHASES are 32 tokens apart: the same row of their
+    // blocks, 32 being the largest block size (validation.SUPPORTED_BLOCK_SIZES). So each
+    // phase's in-block offset is set once (KvStream::begin), and a row's address is one
+    // multiply-add on its block id.
+    static constexpr int MAX_BLOCK_SIZE = 32;
+    static constexpr int PHASES = ROWS_PER_PASS >= MAX_BLOCK_SIZE ? 1 : MAX_BLOCK_SIZE / ROWS_PER_PASS;
+    static_assert(CHUNK % MAX_BLOCK_SIZE == 0, "chunks start at the same row of a block");
 
     // Unit u of row r is stored at unit u ^ swizzle(r), so the 8 rows an ldmatrix reads at one
     // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups; 64-byte rows (fp8
@@ -338,11 +366,13 @@ template <typename C, int D>
 struct KvStream {
     typedef KvRing<C, D> R;
     unsigned char* ring;
-    const unsigned char* k_src;  // this thread's 16-byte unit of the KV head's rows, block 0
-    const unsigned char* v_src;
+    // This thread's unit of its rows of phase f (passes p with p % PHASES == f) in block 0: the
+    // row's address in block b is b * block_bytes past it.
+    const unsigned char* k_src[R::PHASES];
+    const unsigned char* v_src[R::PHASES];
     const i32* table;
     u32 block_bytes;  // bytes from one block to the next (all KV heads)
-    int row_mask, shift, end, num_blocks;
+    int shift, end, num_blocks;
     int dst, start, chunks;
 
     CUPA_FN const i32* id_slot(int chunk) const {
@@ -368,20 +398,18 @@ struct KvStream {
 
     CUPA_FN void copy_chunk(int chunk) {
         unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES;
-        const i32* ids = id_slot(chunk);
         const int r0 = threadIdx.x / R::UNITS;
+        const i32* ids = id_slot(chunk) + r0;
         const int t0 = start + chunk * R::CHUNK + r0;
 #pragma unroll
         for (int p = 0; p < R::PASSES; ++p) {
-            const int t = t0 + p * R::ROWS_PER_PASS;
-            const i32 id = ids[r0 + p * R::ROWS_PER_PASS];
-            const bool ok = t < end && (u32)id < (u32)num_blocks;
+            const i32 id = ids[p * R::ROWS_PER_PASS];
+            const bool ok = t0 + p * R::ROWS_PER_PASS < end && (u32)id < (u32)num_blocks;
             // A row that is not copied reads nothing; its address stays inside the cache.
-            const u64 src = (u64)(ok ? (u32)id : 0u) * block_bytes +
-                            (u32)((t & row_mask) * R::ROW_BYTES);
+            const u32 block = ok ? (u32)id : 0u;
             unsigned char* to = stage + R::pass_offset(dst, p);
-            copy16_async(to, k_src + src, ok);
-            copy16_async(to + R::KV_BYTES, v_src + src, ok);
+            copy16_async(to, offset_wide(k_src[p % R::PHASES], block, block_bytes), ok);
+            copy16_async(to + R::KV_BYTES, offset_wide(v_src[p % R::PHASES], block, block_bytes), ok);
         }
     }
 
@@ -391,17 +419,22 @@ struct KvStream {
                        int start_) {
         ring = ring_;
         const int u = threadIdx.x % R::UNITS;
-        const i64 unit = rows.head_offset * (i64)sizeof(C) + 16 * u;
-        k_src = reinterpret_cast<const unsigned char*>(k) + unit;
-        v_src = reinterpret_cast<const unsigned char*>(v) + unit;
+        const int r0 = threadIdx.x / R::UNITS;
+        // Chunks start multiples of 32 tokens apart, so phase f's rows all sit at row
+        // (start_ + r0 + f * ROWS_PER_PASS) mod block_size of their blocks.
+#pragma unroll
+        for (int f = 0; f < R::PHASES; ++f) {
+            const int row = (start_ + r0 + f * R::ROWS_PER_PASS) & ((1 << rows.shift) - 1);
+            const i64 unit = (rows.head_offset + (i64)row * D) * (i64)sizeof(C) + 16 * u;
+            k_src[f] = pinned(reinterpret_cast<const unsigned char*>(k) + unit);
+            v_src[f] = pinned(reinterpret_cast<const unsigned char*>(v) + unit);
+        }
         table = rows.table;
         block_bytes = (u32)(rows.block_stride * (i64)sizeof(C));
         shift = rows.shift;
-        row_mask = (1 << rows.shift) - 1;
         end = rows.end;
         num_blocks = rows.num_blocks;
-        const int r0 = threadIdx.x / R::UNITS;
-        dst = r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0));
+        dst = pinned(r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0)));
         start = start_;
         chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
 #pragma unroll
@@ -489,38 +522,59 @@ template <typename C> struct Frag {
     CUPA_FN static int dim(int tau, int n) { return 8 * tau + n; }
 };
 
-// fp8 codes of bytes 0-1 (hi = false) or 2-3 of w as a float16 pair, byte 0 in the low half.
-// Software (either e4m3 format, see Elem<cupa_fp8>): values times 2^(bias - 15); OCP e4m3fn on
-// sm_89+ by the hardware conversion: exact values (variants.fp8_value_power tells the host).
-template <typename C> struct Fp8Widen {
-    CUPA_FN static u32 pair(u32 w, bool hi) { return Elem<cupa_fp8>::half_pair(w, hi); }
-};
+// Two fp8 codes of a word w, bytes LO and HI (0-3), as a float16 pair, byte LO in the low half.
+// Software (either e4m3 format): prmt sign-extends each code to 16 bits in place, and shifting
+// that left by 7 lands sign, exponent and mantissa on float16's fields but for a copy of the
+// sign on the exponent's top bit, which the mask clears. The result is the code's value times
+// 2^(bias - 15) for every finite code, subnormals included (a zero exponent field is subnormal
+// in both formats); NaN codes come out finite (only a NaN input writes them). Three integer
+// instructions a pair. OCP e4m3fn on sm_89+ takes the hardware conversion instead: exact values,
+// one instruction, and faster on the H200 than the software path or a mix of the two (K by one,
+// V by the other), docs/perf.md v15. variants.fp8_value_power tells the host which is which.
+template <int LO, int HI>
+CUPA_FN u32 fp8_pair_software(u32 w) {
+    u32 y;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(y) : "r"(w), "n"(LO | (8 | LO) << 4 | HI << 8 | (8 | HI) << 12));
+    return (y << 7) & 0xbf80bf80u;
+}
+template <int LO, int HI>
+CUPA_FN u32 fp8_pair_hardware(u32 w) {
+    static_assert((LO == 0 && HI == 1) || (LO == 2 && HI == 3) || HI == LO + 2, "pairs 01 23 02 13");
+    u32 r;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-template <> struct Fp8Widen<cupa_fp8_e4m3> {
-    CUPA_FN static u32 pair(u32 w, bool hi) {
-        u32 r;
-        // The half is picked inside the asm, so ptxas reads it in place (no shift).
-        if (hi)
-            asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }"
-                : "=r"(r) : "r"(w));
-        else
-            asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }"
-                : "=r"(r) : "r"(w));
-        return r;
-    }
-};
+    // An adjacent pair is read in place (no permute): the half is picked inside the asm.
+    if constexpr (LO == 0 && HI == 1)
+        asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(w));
+    else if constexpr (LO == 2 && HI == 3)
+        asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(w));
+    else  // bytes 0, 2 or 1, 3: one permute (shared by both pairs) regroups them
+        r = fp8_pair_hardware<2 * LO, 2 * LO + 1>(__byte_perm(w, 0u, 0x3120));
+#else
+    r = 0u;  // never instantiated: variants.py picks the hardware cache only on sm_89+
 #endif
+    return r;
+}
+template <typename C> struct Fp8Widen {
+    template <int LO, int HI> CUPA_FN static u32 pair(u32 w) { return fp8_pair_software<LO, HI>(w); }
+};
+template <> struct Fp8Widen<cupa_fp8_e4m3> {
+    template <int LO, int HI> CUPA_FN static u32 pair(u32 w) { return fp8_pair_hardware<LO, HI>(w); }
+};
 
 // fp8 caches: a unit is 16 dims, so one K word (4 codes) feeds both halves of a k16 step, and a
-// V word holds dims 2g and 2g + 1 of two tokens, which one byte permute regroups by dim (two dim
-// tiles per unit). Codes are widened to float16 here, at use, so the loads stay in flight.
+// V word holds dims 2g and 2g + 1 of two tokens (bytes 0, 1 of one token, 2, 3 of the next), so
+// bytes 0 and 2 are one dim's token pair and bytes 1 and 3 the next dim's (two dim tiles per
+// unit). Codes are widened to float16 here, at use, so the loads stay in flight.
 template <typename C> struct Fp8Frag {
+    typedef Fp8Widen<C> W;
     CUPA_FN static int q_dim(int s, int h, int c) { return 16 * s + 4 * c + 2 * h; }
     CUPA_FN static int k_unit(int s, int) { return s; }
-    CUPA_FN static u32 k_operand(u32 word, int h) { return Fp8Widen<C>::pair(word, h != 0); }
+    CUPA_FN static u32 k_operand(u32 word, int h) {
+        return h ? W::template pair<2, 3>(word) : W::template pair<0, 1>(word);
+    }
     CUPA_FN static int v_unit(int tau) { return tau >> 1; }
     CUPA_FN static u32 v_operand(u32 word, int tau) {
-        return Fp8Widen<C>::pair(__byte_perm(word, 0u, 0x3120), (tau & 1) != 0);
+        return (tau & 1) ? W::template pair<1, 3>(word) : W::template pair<0, 2>(word);
     }
     CUPA_FN static int dim(int tau, int n) { return 16 * (tau >> 1) + 2 * n + (tau & 1); }
 };
@@ -546,7 +600,7 @@ struct KvStep {
         const int unit = rows_inner ? matrix >> 1 : matrix & 1;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            out[j] = row * R::ROW_BYTES + 16 * ((2 * j + unit) ^ R::swizzle(row));
+            out[j] = (u32)pinned(row * R::ROW_BYTES + 16 * ((2 * j + unit) ^ R::swizzle(row)));
     }
     CUPA_FN static Lanes lanes(int lane) {
         Lanes l;
