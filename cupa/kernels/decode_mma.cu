@@ -650,18 +650,29 @@ CUPA_FN u32 query_pair(const T* query, const PartitionWork& w, int r, int dim) {
     return r < w.nh ? QPair<T, M>::load(query + w.row_index(r) * D + dim) : 0u;
 }
 
+// What a row's logits subtract given its running max m: 0 instead of -inf while nothing was
+// readable (exp2 gives 0, never NaN).
+CUPA_FN float subtrahend(float m) { return m == neg_inf() ? 0.f : m; }
+
 // One row's online-softmax step: the running max m takes in the step's max mx; corr rescales
-// what was summed so far, use is what the step's logits subtract (0 instead of -inf while
-// nothing was readable: exp2 gives 0, never NaN). Returns whether the max moved: when no row of
-// a warp's moved, corr is 1 everywhere and the accumulators need no rescale.
+// what was summed so far, use is what the step's logits subtract. Returns whether the max moved:
+// when no row of a warp's moved, corr is 1 everywhere and the accumulators need no rescale.
 CUPA_FN bool update_max(float& m, float mx, float& corr, float& use) {
     const float next = max_f(m, mx);
-    use = next == neg_inf() ? 0.f : next;
+    use = subtrahend(next);
     corr = fast_exp2(m - use);
     const bool moved = next != m;
     m = next;
     return moved;
 }
+
+// Lazy max: a row's running max moves only when a logit passes it by more than LAZY_MAX (log2
+// units). Until then the step's exponentials stay below 2^LAZY_MAX, well inside float16 and
+// bfloat16, and the warp skips the row-max shuffles, the corrections and the rescale. The
+// result does not depend on the max used, as long as the sum and the output use the same one
+// (the merges take each warp's and partition's own max).
+constexpr float LAZY_MAX = 8.f;
+CUPA_FN bool passes_max(float mx, float m) { return mx > m + LAZY_MAX; }  // true for m = -inf
 
 // ---- 9-64 query rows: rows are the M=16 rows of a warp's m-tile (S = Q K^T, O = P V). ------
 // The workgroup's rows form up to NWARPS tiles of 16; the warps split evenly over the tiles (one
@@ -763,18 +774,24 @@ CUPA_FN void decode_partition_mma16(
             // Online softmax per row; the four lanes of a quad share a row.
             float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
             float mx_hi = max_f(max_f(s[2], s[3]), max_f(s[6], s[7]));
-            mx_lo = max_f(mx_lo, warp_xor(mx_lo, 1));
-            mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
-            mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
-            mx_hi = max_f(mx_hi, warp_xor(mx_hi, 2));
-            float corr_lo, corr_hi, use_lo, use_hi;
-            const bool moved = update_max(m_lo, mx_lo, corr_lo, use_lo) |
-                               update_max(m_hi, mx_hi, corr_hi, use_hi);
+            float corr_lo = 1.f, corr_hi = 1.f;
+            float use_lo = subtrahend(m_lo), use_hi = subtrahend(m_hi);
+            bool moved = false;
+            if (__any_sync(0xffffffffu, passes_max(mx_lo, m_lo) || passes_max(mx_hi, m_hi))) {
+                mx_lo = max_f(mx_lo, warp_xor(mx_lo, 1));
+                mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
+                mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
+                mx_hi = max_f(mx_hi, warp_xor(mx_hi, 2));
+                moved = update_max(m_lo, mx_lo, corr_lo, use_lo) |
+                        update_max(m_hi, mx_hi, corr_hi, use_hi);
+                l_lo *= corr_lo;
+                l_hi *= corr_hi;
+            }
             float p[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) p[e] = fast_exp2(s[e] - ((e & 2) ? use_hi : use_lo));
-            l_lo = l_lo * corr_lo + p[0] + p[1] + p[4] + p[5];
-            l_hi = l_hi * corr_hi + p[2] + p[3] + p[6] + p[7];
+            l_lo += p[0] + p[1] + p[4] + p[5];
+            l_hi += p[2] + p[3] + p[6] + p[7];
             // P as the A fragment: rows r_lo / r_hi, tokens 2c.. (k 0-7) and 8 + 2c.. (k 8-15).
             u32 pf[4];
             pf[0] = MmaOp<M>::pack(p[0], p[1]);
@@ -955,17 +972,21 @@ CUPA_FN void decode_partition_mma8(
             stage = kv.stage(chunk + 1);
             load_chunk(stage, chunk + 1, nxt, n_valid);
         }
-        // Online softmax per row (column): the 8 lanes with the same c share a row pair.
+        // Online softmax per row (column): the 8 lanes with the same c share a row pair. The
+        // maxima move only when some logit of the warp passes them by LAZY_MAX.
+        float corr_e = 1.f, corr_o = 1.f;
+        float use_e = subtrahend(m_e), use_o = subtrahend(m_o);
+        bool moved = false;
+        if (__any_sync(0xffffffffu, passes_max(mx_e, m_e) || passes_max(mx_o, m_o))) {
 #pragma unroll
-        for (int mask = 4; mask < 32; mask <<= 1) {
-            mx_e = max_f(mx_e, warp_xor(mx_e, mask));
-            mx_o = max_f(mx_o, warp_xor(mx_o, mask));
+            for (int mask = 4; mask < 32; mask <<= 1) {
+                mx_e = max_f(mx_e, warp_xor(mx_e, mask));
+                mx_o = max_f(mx_o, warp_xor(mx_o, mask));
+            }
+            moved = update_max(m_e, mx_e, corr_e, use_e) | update_max(m_o, mx_o, corr_o, use_o);
+            l_e *= corr_e;
+            l_o *= corr_o;
         }
-        float corr_e, corr_o, use_e, use_o;
-        const bool moved = update_max(m_e, mx_e, corr_e, use_e) |
-                           update_max(m_o, mx_o, corr_o, use_o);
-        l_e *= corr_e;
-        l_o *= corr_o;
         // P^T tiles (tokens x rows) -> B fragments: row g, tokens 2c, 2c+1 (+8).
         u32 pb[WS][2];
 #pragma unroll
