@@ -550,7 +550,7 @@ CUPA_FN u32 fp8_pair_hardware(u32 w) {
     else  // bytes 0, 2 or 1, 3: one permute (shared by both pairs) regroups them
         r = fp8_pair_hardware<2 * LO, 2 * LO + 1>(__byte_perm(w, 0u, 0x3120));
 #else
-    r = 0u;  // never instantiated: variants.py picks the hardware cache only on sm_89+
+    r = 0u;  // compiled for older targets but never run: variants.py picks it on sm_89+ only
 #endif
     return r;
 }
