@@ -61,8 +61,8 @@ def test_every_variant_compiles(results, target):
 
 def test_ring_layout_of_the_python_mirror_matches_the_kernels():
     """variants.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory and steps
-    per warp (the planner and the launch use them), and validation the block sizes a cache may
-    have; the kernel source states them again (KvRing, mma_shared_bytes). The compiler checks
+    per warp (the planner and the launch use them), variants the largest cluster and validation
+    the block sizes a cache may have; the kernel source states them again (KvRing, mma_shared_bytes). The compiler checks
     that both say the same, for every variant."""
     require_compilers([nvrtc_missing()])
     from cupa.compiler import Target, _compile_nvrtc
@@ -76,5 +76,6 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
                    f"{v.warp_steps}, \"{v.partition_name}: steps per warp\");",
                    f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
                    f"{max(SUPPORTED_BLOCK_SIZES)}, \"{v.partition_name}: block sizes\");"]
+    checks.append(f"static_assert(cupa::MAX_CLUSTER == {variants.MAX_CLUSTER}, \"cluster size\");")
     source = variants.batch_source(mma[:1]) + "\n".join(checks) + "\n"
     assert _compile_nvrtc(source, "ring_layout", Target("sm_90")) > 0

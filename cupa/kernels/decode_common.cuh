@@ -73,6 +73,10 @@ CUPA_FN float finish_head(float m, float l, float sink, float& lse_out) {
     return keep / total;
 }
 
+// What logits subtract given their running max m: 0 instead of -inf while nothing was readable
+// (exp2 then gives 0, never NaN).
+CUPA_FN float subtrahend(float m) { return m == neg_inf() ? 0.f : m; }
+
 CUPA_FN float sink_of(const float* sinks, i64 head, int num_heads) {
     return sinks != nullptr ? sinks[head % num_heads] : neg_inf();
 }
@@ -307,7 +311,7 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
     float top = neg_inf();
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) top = max_f(top, m_s[w]);
-    const float use = top == neg_inf() ? 0.f : top;  // an empty sequence: zeros
+    const float use = subtrahend(top);  // an empty sequence: zeros
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) total += fast_exp2(m_s[w] - use) * l_s[w];

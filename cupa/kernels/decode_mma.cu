@@ -169,7 +169,7 @@ CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const
 #pragma unroll
         for (int p = 0; p < MAX_CLUSTER; ++p)
             if (p < w.parts) top = max_f(top, mp[p]);
-        const float use = top == neg_inf() ? 0.f : top;
+        const float use = subtrahend(top);
         float total = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int p = 0; p < MAX_CLUSTER; ++p) {
@@ -211,7 +211,7 @@ CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float m = neg_inf();
         for (int k = 0; k < warps_per_tile; ++k) m = max_f(m, m_s[w0 + k][tr]);
-        const float use = m == neg_inf() ? 0.f : m;
+        const float use = subtrahend(m);
         float l = 0.f;
         for (int k = 0; k < warps_per_tile; ++k) {
             const float f = fast_exp2(m_s[w0 + k][tr] - use);
@@ -649,10 +649,6 @@ template <typename T, typename M, int D>
 CUPA_FN u32 query_pair(const T* query, const PartitionWork& w, int r, int dim) {
     return r < w.nh ? QPair<T, M>::load(query + w.row_index(r) * D + dim) : 0u;
 }
-
-// What a row's logits subtract given its running max m: 0 instead of -inf while nothing was
-// readable (exp2 gives 0, never NaN).
-CUPA_FN float subtrahend(float m) { return m == neg_inf() ? 0.f : m; }
 
 // One row's online-softmax step: the running max m takes in the step's max mx; corr rescales
 // what was summed so far, use is what the step's logits subtract. Returns whether the max moved:
