@@ -13,8 +13,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 def cmd_info(args) -> int:
     import numpy as np
 
-    from . import __version__, arrays, variants
-    from .compiler import hip_compiler, hip_include_dir
+    from . import __version__, arrays
+    from .gpu import catalogue
+    from .gpu.offline import hip_compiler, hip_include_dir
     from .fp8 import default_kv_format
     print(f"cupa {__version__}  (numpy {np.__version__})")
     cupy = arrays.cupy_module()
@@ -28,7 +29,7 @@ def cmd_info(args) -> int:
                                               "add /opt/rocm/bin to PATH")
             print(f"hipcc on PATH: {hipcc}")
         if arrays.gpu_available():
-            from .device import device_info
+            from .gpu.device import device_info
             info = device_info()
             t = info.target
             print(f"device {info.index}: {info.name}")
@@ -46,8 +47,8 @@ def cmd_info(args) -> int:
         print(f"kernel cache dir: {cache_dir}")
     print(f"offline HIP compiler: {hip_compiler() or 'not found'} "
           f"(headers: {hip_include_dir() or 'not found'})")
-    print(f"kernel variants: {len(variants.all_variants())} "
-          f"({', '.join(f'{k}: {len(f())}' for k, f in variants.VARIANT_FAMILIES.items())})")
+    print(f"kernel variants: {len(catalogue.all_variants())} "
+          f"({', '.join(f'{k}: {len(f())}' for k, f in catalogue.VARIANT_FAMILIES.items())})")
     print(f"default backend: {'gpu' if arrays.gpu_available() else 'numpy'}")
     if not arrays.gpu_available():
         print("default kv_format: none detected (no GPU)")
@@ -56,7 +57,7 @@ def cmd_info(args) -> int:
 
 def _compile_batch(job):
     batch, arch = job
-    from .compiler import compile_offline
+    from .gpu.offline import compile_offline
     start = time.perf_counter()
     try:
         size = compile_offline(batch, arch)
@@ -69,8 +70,8 @@ def compile_all(targets, jobs=None, progress=True):
     """Compile every variant for every target, in batches of one source file and dtype (one
     compiler run each); returns {(variant, arch): (ok, detail)}. A failing batch marks each of
     its variants failed, with the compiler's log naming the instantiation at fault."""
-    from . import variants
-    work = [(batch, a) for a in targets for batch in variants.offline_batches(a)]
+    from .gpu import catalogue
+    work = [(batch, a) for a in targets for batch in catalogue.offline_batches(a)]
     total = sum(len(batch) for batch, _ in work)
     results = {}
     start = time.perf_counter()
@@ -89,13 +90,13 @@ def compile_all(targets, jobs=None, progress=True):
 
 
 def cmd_compile(args) -> int:
-    from . import variants
+    from .gpu import catalogue
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     results = compile_all(targets, jobs=args.jobs)
-    width = max(len(v.entry_names[0]) for v in variants.all_variants())
+    width = max(len(v.entry_names[0]) for v in catalogue.all_variants())
     print(f"{'variant':<{width}}  " + "  ".join(f"{t:>8}" for t in targets))
     failures = []
-    for v in variants.all_variants():
+    for v in catalogue.all_variants():
         cells = []
         for t in targets:
             if (v, t) not in results:  # a family that does not exist for this target
@@ -114,12 +115,12 @@ def cmd_compile(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
+    from .bench.main import main as bench_main
     return bench_main(args)
 
 
 def main(argv=None) -> int:
-    from .compiler import DEFAULT_TARGETS
+    from .gpu.offline import DEFAULT_TARGETS
     parser = argparse.ArgumentParser(prog="python -m cupa",
                                      description="cupa: paged decode attention without PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                    help="comma-separated sm_XX / gfxXXXX targets (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
-    from .bench import add_arguments
+    from .bench.main import add_arguments
     add_arguments(sub.add_parser("bench", help="time decode against the copy ceiling and peers"))
     args = parser.parse_args(argv)
     return {"info": cmd_info, "compile": cmd_compile, "bench": cmd_bench}[args.command](args)

@@ -1,14 +1,29 @@
-"""`cupa.decode`: arrays in -> validation -> backend (GPU kernels or numpy reference) -> arrays out."""
+"""`cupa.decode` and `cupa.plan_decode`.
+
+The data flow: arrays in -> one conversion -> validation -> plan (cached) -> compiled variant ->
+launch -> arrays out. `decode` is a plan plus its `run`: a call on cupy arrays whose shapes,
+dtypes, strides and options were seen before takes the cached plan and only launches.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import threading
+
+import numpy as np
 
 from . import arrays
-from .decode_plan import (DecodeOptions, DecodePlan, check_inputs, convert_inputs,
-                          default_max_query_len, host_arrays_of)
+from .decode_plan import (DecodePlan, check_inputs, convert_inputs, device_signature,
+                          host_contents)
 from .fp8 import check_kv_format
-from .validation import MAX_QUERY_LEN
+from .gpu import dispatch
+from .problem import MAX_QUERY_LEN, DecodeOptions, default_max_query_len
+from .validation import check_is_array
+
+# Plans kept by `decode`, most recent last. A plan holds no device memory but its fp8 factors
+# (outputs and workspace are allocated per call), so the bound is about host memory only.
+PLAN_CACHE_SIZE = 256
+_plans: dict = {}
+_plans_lock = threading.Lock()
 
 BACKENDS = ("gpu", "numpy")
 
@@ -82,19 +97,34 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     the kernels instead never read past seq_len or the table's capacity, and treat block ids
     outside [0, num_blocks) as empty. Host (numpy) tables are checked fully.
     """
-    # The one-shot plan's workspace and the output are allocated under the launch stream, so the
-    # memory pool hands their blocks on only to work ordered after this launch.
-    with stream if stream is not None else contextlib.nullcontext():
-        plan, inputs = _plan(query, key_cache, value_cache, block_tables, seq_lens,
-                             query_start_loc=query_start_loc, max_query_len=max_query_len,
-                             scale=scale, alibi_slopes=alibi_slopes,
-                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                             sinks=sinks, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
-                             out=out, return_lse=return_lse, partition_size=partition_size,
-                             max_seq_len=max_seq_len, backend=backend, own_outputs=False)
-        device_out = out is not None and arrays.is_device_array(out)
-        return plan._execute(inputs, query, out,
-                             arrays.to_device(out) if device_out else None, stream)
+    raw = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+           alibi_slopes, sinks)
+    key = _cache_key(raw, out, backend, scale, sliding_window, logits_soft_cap, kv_format,
+                     k_scale, v_scale, return_lse, partition_size, max_seq_len, max_query_len)
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan.run_matched(raw, out, stream)
+    # Planning allocates nothing for a decode plan; the outputs and workspace of each call are
+    # allocated under the launch stream, so the memory pool hands their blocks on only to work
+    # ordered after the launch.
+    plan, inputs = _plan(raw, query_start_loc=query_start_loc, max_query_len=max_query_len,
+                         scale=scale, sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap, kv_format=kv_format, k_scale=k_scale,
+                         v_scale=v_scale, out=out, return_lse=return_lse,
+                         partition_size=partition_size, max_seq_len=max_seq_len,
+                         backend=backend, own_outputs=False)
+    if key is not None:
+        _remember(key, plan)
+        return plan.run_matched(raw, out, stream)
+    # Host arrays: run on their converted (uploaded) copies, and answer in the caller's kind.
+    converted = inputs.as_tuple()
+    result = plan.run(*converted[:5], query_start_loc=converted[5], alibi_slopes=converted[6],
+                      sinks=converted[7], out=out, stream=stream)
+    if out is not None:
+        return result
+    if return_lse:
+        return arrays.like(query, result[0]), arrays.like(query, result[1])
+    return arrays.like(query, result)
 
 
 def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
@@ -117,34 +147,80 @@ def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_
     whatever the captured arrays hold at that time. max_seq_len (a hint for partitioning)
     should then be the longest length the graph will see.
     """
-    plan, _ = _plan(query, key_cache, value_cache, block_tables, seq_lens,
-                    query_start_loc=query_start_loc, max_query_len=max_query_len, scale=scale,
-                    alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                    logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format,
-                    k_scale=k_scale, v_scale=v_scale, out=None, return_lse=return_lse,
-                    partition_size=partition_size, max_seq_len=max_seq_len, backend=backend,
-                    own_outputs=True)
+    raw = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+           alibi_slopes, sinks)
+    plan, _ = _plan(raw, query_start_loc=query_start_loc, max_query_len=max_query_len,
+                    scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                    kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=None,
+                    return_lse=return_lse, partition_size=partition_size,
+                    max_seq_len=max_seq_len, backend=backend, own_outputs=True)
     return plan
 
 
-def _plan(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc,
-          max_query_len, scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_format,
-          k_scale, v_scale, out, return_lse, partition_size, max_seq_len, backend, own_outputs):
-    """Shared front half of `decode` and `plan_decode`: arrays in -> validation -> plan."""
+def clear_plan_cache() -> None:
+    """Forget the plans `cupa.decode` keeps (for tests, and after changing CUPA_* switches)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+def _scale_key(scale):
+    """A hashable stand-in for an fp8 scale argument, or a marker that it has none."""
+    if scale is None or isinstance(scale, (int, float, np.floating, np.integer)):
+        return scale
+    if isinstance(scale, np.ndarray):
+        return (scale.dtype.str, scale.shape, scale.tobytes())
+    return _UNCACHEABLE
+
+
+_UNCACHEABLE = object()
+
+
+def _cache_key(raw, out, backend, *options):
+    """The plan cache's key for a call, or None where a call is not cached: host arrays (their
+    contents are checked and uploaded on every call), the numpy backend, device scale arrays."""
+    if backend not in (None, "gpu") or not arrays.gpu_available():
+        return None
+    signature = device_signature(raw + (out,))
+    if signature is None:
+        return None
+    k_scale, v_scale = _scale_key(options[4]), _scale_key(options[5])
+    if k_scale is _UNCACHEABLE or v_scale is _UNCACHEABLE:
+        return None
+    try:
+        key = (signature, options[:4], k_scale, v_scale, options[6:],
+               arrays.cupy_module().cuda.runtime.getDevice(), dispatch.switches())
+        hash(key)
+    except TypeError:  # an unhashable option: validation will name it
+        return None
+    return key
+
+
+def _remember(key, plan) -> None:
+    with _plans_lock:
+        if len(_plans) >= PLAN_CACHE_SIZE:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = plan
+
+
+def _plan(raw, *, query_start_loc, max_query_len, scale, sliding_window, logits_soft_cap,
+          kv_format, k_scale, v_scale, out, return_lse, partition_size, max_seq_len, backend,
+          own_outputs):
+    """Shared front half of `decode` and `plan_decode`: arrays in -> one conversion ->
+    validation -> plan. Returns (plan, converted inputs)."""
+    for name, x in zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), raw):
+        check_is_array(name, x)
     backend = resolve_backend(backend)
     fmt = check_kv_format(kv_format)
     if fmt is None and (k_scale is not None or v_scale is not None):
         raise ValueError("k_scale / v_scale: only meaningful with an fp8 kv_format")
-    inputs = convert_inputs(backend, query, key_cache, value_cache, block_tables, seq_lens,
-                            query_start_loc, alibi_slopes, sinks)
+    inputs = convert_inputs(backend, raw)
     options = DecodeOptions(scale=scale, sliding_window=sliding_window,
                             logits_soft_cap=logits_soft_cap,
                             kv_format=None if fmt is None else fmt.name,
                             return_lse=bool(return_lse))
-    host = host_arrays_of(backend, block_tables=block_tables, seq_lens=seq_lens,
-                          query_start_loc=query_start_loc)
     out_view = arrays.to_device(out) if out is not None and arrays.is_device_array(out) else out
-    shape, longest, most_new = check_inputs(inputs, options, host, out_view)
+    shape, longest, most_new = check_inputs(inputs, options, host_contents(backend, raw),
+                                            out_view)
     if max_seq_len is None:
         max_seq_len = longest
     if max_query_len is not None:
@@ -157,5 +233,6 @@ def _plan(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_
                     else int(max_query_len))
     plan = DecodePlan(shape, backend, options, query_dtype=inputs.query.dtype, k_scale=k_scale,
                       v_scale=v_scale, max_seq_len=max_seq_len, max_query_len=most_new,
-                      partition_size=partition_size, own_outputs=own_outputs)
+                      partition_size=partition_size, own_outputs=own_outputs,
+                      signature=device_signature(raw) if backend == "gpu" else None)
     return plan, inputs

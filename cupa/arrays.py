@@ -22,6 +22,13 @@ def cupy_module():
 
 
 @functools.lru_cache(maxsize=None)
+def cupy_ndarray():
+    """cupy.ndarray, or a type no object has when cupy is missing (for `type(x) is ...`)."""
+    cupy = cupy_module()
+    return cupy.ndarray if cupy is not None else type("NoCupyArray", (), {})
+
+
+@functools.lru_cache(maxsize=None)
 def gpu_available() -> bool:
     """True when cupy imports and sees at least one device."""
     cupy = cupy_module()
@@ -77,20 +84,35 @@ def to_host(x):
     return np.asarray(x)
 
 
+# Where a library's DLPack importer lives, by the top-level module of its array type (JAX's
+# arrays are jaxlib types; everything else is asked for `<library>.from_dlpack`).
+DLPACK_IMPORTERS = {"jaxlib": ("jax.dlpack", "from_dlpack"), "jax": ("jax.dlpack", "from_dlpack")}
+
+
+def _dlpack_importer(template):
+    root = type(template).__module__.split(".")[0]
+    module_name, function = DLPACK_IMPORTERS.get(root, (root, "from_dlpack"))
+    module = sys.modules.get(module_name)
+    if module is None and module_name in (v[0] for v in DLPACK_IMPORTERS.values()):
+        import importlib
+        module = importlib.import_module(module_name)
+    return getattr(module, function, None)
+
+
 def like(template, result):
     """Return `result` (numpy or cupy) as the same kind of array as `template`.
 
     numpy in -> numpy out; cupy in -> cupy out; another library's device tensor -> that library's
-    tensor through DLPack when it offers `from_dlpack` (torch does), else the cupy array.
+    tensor through DLPack when it offers an importer (torch.from_dlpack, jax.dlpack.from_dlpack),
+    else the cupy array.
     """
     cupy = cupy_module()
     if isinstance(template, np.ndarray) or not is_device_array(template):
         return result.get() if cupy is not None and isinstance(result, cupy.ndarray) else result
-    if cupy is not None and isinstance(template, cupy.ndarray):
+    if isinstance(template, cupy.ndarray):
         return result if isinstance(result, cupy.ndarray) else cupy.asarray(result)
-    library = sys.modules.get(type(template).__module__.split(".")[0])
-    from_dlpack = getattr(library, "from_dlpack", None)
     device_result = result if isinstance(result, cupy.ndarray) else cupy.asarray(result)
+    from_dlpack = _dlpack_importer(template)
     return from_dlpack(device_result) if from_dlpack is not None else device_result
 
 

@@ -1,62 +1,56 @@
-"""`cupa.DecodePlan`: a decode whose kernel, grid, workspace and output buffers are fixed up front.
+"""`cupa.DecodePlan`: a decode whose kernel, grid, workspace and launches are fixed up front.
 
-`cupa.decode` builds a one-shot plan per call. Keeping a plan instead (`cupa.plan_decode`) serves
-two needs: repeated decodes without per-call planning and allocation, and CUDA/HIP graph capture,
-where every launch argument (pointers, grid, scalars) is frozen into the graph. A plan covers a
-maximum batch and length: its grid spans `num_seqs` sequences (and `max_query_len` new tokens
-each) with partitions enough for the block tables' full capacity, so between graph replays the
-contents of the query, block tables, lengths and query_start_loc may change freely, as long as
-the arrays themselves (their memory) stay the same. Unused batch slots can be given length 0.
+A plan is made once (`cupa.plan_decode`, or `cupa.decode`'s own plan cache) and run many times.
+Making one converts and validates the arrays, plans the partitions and prepares the launches;
+running one on the same kind of arrays (cupy arrays of the planned shapes, dtypes and strides)
+re-checks nothing that cannot have changed: it compares the arrays' metadata with the plan's in
+one tuple comparison, writes the new pointers into the packed arguments and launches.
+
+A plan covers a maximum batch and length: its grid spans `num_seqs` sequences (and
+`max_query_len` new tokens each) with partitions enough for the block tables' full capacity, so
+between runs, and between graph replays, the contents of the query, block tables, lengths and
+query_start_loc may change freely as long as the arrays keep their shapes (for a captured graph:
+their memory). Unused batch slots can be given length 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
 
 import numpy as np
 
 from . import arrays
 from .fp8 import check_kv_format, dequantize_fp8, kv_scales
-from .validation import (DecodeShape, MAX_QUERY_LEN, check_decode_args, check_table_contents,
-                         query_lens)
+from .gpu.device import device_info
+from .gpu.launch import DecodeLaunch, allocate_workspace, kernel_kv_scales, workspace_bytes
+from .gpu.occupancy import resident_workgroups
+from .gpu.planner import make_plan
+from .problem import DecodeInputs, DecodeOptions, DecodeShape
+from .reference import paged_decode_reference
+from .validation import check_decode_args, check_table_contents, query_lens
+
+INPUT_NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+               "query_start_loc", "alibi_slopes", "sinks")
 
 
-@dataclass
-class DecodeInputs:
-    """The arrays of one call, as the backend's kind (cupy or numpy)."""
-
-    query: object
-    key_cache: object
-    value_cache: object
-    block_tables: object
-    seq_lens: object
-    query_start_loc: object = None
-    alibi_slopes: object = None
-    sinks: object = None
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """What a plan fixes besides shapes: scalars and the presence of the optional arrays."""
-
-    scale: float | None = None
-    sliding_window: int | None = None
-    logits_soft_cap: float | None = None
-    kv_format: str | None = None
-    return_lse: bool = False
-
-
-def convert_inputs(backend, query, key_cache, value_cache, block_tables, seq_lens,
-                   query_start_loc=None, alibi_slopes=None, sinks=None) -> DecodeInputs:
+def convert_inputs(backend: str, raw: tuple) -> DecodeInputs:
+    """The one conversion: every array as the backend's kind (zero-copy for device arrays)."""
     convert = arrays.to_device if backend == "gpu" else arrays.to_host
-    return DecodeInputs(*(convert(x) for x in (query, key_cache, value_cache, block_tables,
-                                               seq_lens, query_start_loc, alibi_slopes, sinks)))
+    return DecodeInputs(*(convert(x) for x in raw))
 
 
-def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host_arrays: dict,
+def host_contents(backend: str, raw: tuple) -> dict:
+    """The tables whose contents can be checked on the host: the numpy ones, or all of them with
+    the numpy backend (device arrays are downloaded there anyway)."""
+    named = dict(zip(("block_tables", "seq_lens", "query_start_loc"), raw[3:6]))
+    return {k: arrays.to_host(v) for k, v in named.items()
+            if v is not None and (backend == "numpy" or not arrays.is_device_array(v))}
+
+
+def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host: dict,
                  out=None) -> tuple[DecodeShape, int | None, int | None]:
     """Validate one call. Returns (shape, longest sequence, most new tokens), the last two read
-    from host (numpy) arrays when the caller passed those, else None: device contents are never
+    from host (numpy) tables when the caller passed those, else None: device contents are never
     read back (no synchronisation)."""
     shape = check_decode_args(
         inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
@@ -65,8 +59,7 @@ def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host_arrays: dict
         logits_soft_cap=options.logits_soft_cap, sinks=inputs.sinks,
         kv_format=options.kv_format)
     longest = most_new = new_tokens = None
-    tables, lens, loc = (host_arrays.get(k) for k in ("block_tables", "seq_lens",
-                                                       "query_start_loc"))
+    tables, lens, loc = (host.get(k) for k in ("block_tables", "seq_lens", "query_start_loc"))
     if loc is not None:
         new_tokens = query_lens(shape, loc)
         most_new = int(new_tokens.max(initial=1))
@@ -77,25 +70,34 @@ def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host_arrays: dict
     return shape, longest, most_new
 
 
-def host_arrays_of(backend, **named) -> dict:
-    """The named arguments that can be checked on the host: the numpy ones, or all of them with
-    the numpy backend (device arrays are downloaded there anyway)."""
-    return {k: arrays.to_host(v) for k, v in named.items()
-            if v is not None and (backend == "numpy" or not arrays.is_device_array(v))}
+def device_signature(raw: tuple):
+    """(shape, dtype, strides) of every array when all are cupy arrays (None stays None), else
+    None: what a run compares with its plan instead of validating again."""
+    cupy_ndarray = arrays.cupy_ndarray()
+    signature = []
+    for x in raw:
+        if x is None:
+            signature.append(None)
+        elif type(x) is cupy_ndarray:
+            signature.append((x.shape, x.dtype, x.strides))
+        else:
+            return None
+    return tuple(signature)
 
 
 class DecodePlan:
     """A planned decode; make one with `cupa.plan_decode`, call `run` as often as needed.
 
     Attributes: `shape` (the planned DecodeShape), `backend`, `options`, and on the GPU `out` and
-    `lse` (the plan's own output buffers, returned by `run` unless it is given `out`),
-    `partition_size`, `max_partitions`, `max_query_len`, `kernel` (the phase-1 kernel's name) and
-    `merge` (how the partitions are merged).
+    `lse` (the plan's own output buffers, returned by `run` unless it is given `out`; None for
+    the plans `cupa.decode` keeps, which return new arrays), `partition_size`, `max_partitions`,
+    `max_query_len`, `kernel` (the phase-1 kernel's name) and `merge` (how the partitions are
+    merged).
     """
 
     def __init__(self, shape: DecodeShape, backend: str, options: DecodeOptions, *, query_dtype,
                  k_scale, v_scale, max_seq_len=None, max_query_len=1, partition_size=None,
-                 own_outputs=True):
+                 own_outputs=True, signature=None):
         self.shape, self.backend, self.options = shape, backend, options
         self.fmt = check_kv_format(options.kv_format)
         self.k_scale = self.v_scale = None  # float32 [num_kv_heads] for an fp8 cache
@@ -103,13 +105,18 @@ class DecodePlan:
             self.k_scale = kv_scales(k_scale, shape.num_kv_heads, "k_scale")
             self.v_scale = kv_scales(v_scale, shape.num_kv_heads, "v_scale")
         self.max_query_len = int(max_query_len)
+        self.query_dtype = np.dtype(query_dtype)
+        self.own_outputs = own_outputs
         self.out = self.lse = None
+        self._signature = signature  # the planned arrays' device_signature, when all were cupy
+        # What an `out` of run must look like: the query's shape and dtype, C-contiguous.
+        rows = (shape.num_tokens, shape.num_heads, shape.head_size)
+        item = self.query_dtype.itemsize if query_dtype is not None else 0
+        self._out_signature = (rows, np.dtype(query_dtype),
+                               (item * rows[1] * rows[2], item * rows[2], item))
+        self._launch_plan = None
         if backend != "gpu":
             return
-        from .device import device_info
-        from .gpu import allocate_workspace, kernel_kv_scales
-        from .occupancy import resident_workgroups
-        from .plan import make_plan
         cupy = arrays.cupy_module()
         info = device_info()
         self._device_index = info.index
@@ -117,53 +124,115 @@ class DecodePlan:
                                       partition_size=partition_size, max_seq_len=max_seq_len,
                                       max_query_len=self.max_query_len,
                                       residency=lambda v: resident_workgroups(v, info))
-        self._workspace = allocate_workspace(self._launch_plan, shape)
-        self._kv_scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale,
-                                           self.v_scale, info.index)
+        self._launch = DecodeLaunch(self._launch_plan, shape, info.index)
+        _, self._max_offset, self._sum_offset = workspace_bytes(self._launch_plan, shape)
+        scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale, self.v_scale,
+                                  info.index)
+        self._scales_ptr = 0 if scales is None else scales.data.ptr
+        self._scales = scales  # kept alive with the plan
+        self._workspace = None
         if own_outputs:
             self.out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
                                   dtype=query_dtype)
-        if options.return_lse:
-            self.lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
+            self._workspace = allocate_workspace(self._launch_plan, shape)
+            if options.return_lse:
+                self.lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
+        self._lock = threading.Lock()  # the packed arguments are shared by the plan's runs
 
     @property
     def partition_size(self) -> int | None:
-        return self._launch_plan.partition_size if self.backend == "gpu" else None
+        return self._launch_plan.partition_size if self._launch_plan else None
 
     @property
     def max_partitions(self) -> int | None:
-        return self._launch_plan.max_partitions if self.backend == "gpu" else None
+        return self._launch_plan.max_partitions if self._launch_plan else None
 
     @property
     def kernel(self) -> str | None:
-        return self._launch_plan.variant.partition_name if self.backend == "gpu" else None
+        return self._launch_plan.variant.partition_name if self._launch_plan else None
 
     @property
     def merge(self) -> str | None:
         """How the partitions are merged: "single" (one partition, no merge), "cluster" (on
         chip, within thread-block clusters) or "reduce" (the reduce launch)."""
-        if self.backend != "gpu":
-            return None
         plan = self._launch_plan
+        if plan is None:
+            return None
         return "single" if plan.single_partition else "cluster" if plan.cluster_merge else "reduce"
 
     def run(self, query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
             alibi_slopes=None, sinks=None, out=None, stream=None):
         """Decode with the plan's kernel, grid and workspace. The arrays must have the planned
         shapes and dtypes (and alibi_slopes / sinks / query_start_loc exactly when planned).
-        Returns `out`, or (out, lse) if the plan was made with return_lse; without `out` the
-        result is the plan's own buffer, overwritten by the next run."""
-        inputs = convert_inputs(self.backend, query, key_cache, value_cache, block_tables,
-                                seq_lens, query_start_loc, alibi_slopes, sinks)
-        host = host_arrays_of(self.backend, block_tables=block_tables, seq_lens=seq_lens,
-                              query_start_loc=query_start_loc)
+        Returns `out`, or (out, lse) if the plan was made with return_lse. Without `out` the
+        result is the plan's own buffer (overwritten by the next run), or a new array for the
+        plans `cupa.decode` keeps. The result is the same kind of array as `query`."""
+        raw = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+               alibi_slopes, sinks)
+        if self.backend == "gpu" and self._signature is not None:
+            fast = device_signature(raw + (out,))
+            if fast is not None and fast[:-1] == self._signature and (
+                    out is None or fast[-1] == self._out_signature):
+                return self.run_matched(raw, out, stream)
+        inputs = convert_inputs(self.backend, raw)
         device_out = out is not None and arrays.is_device_array(out)
         out_view = arrays.to_device(out) if device_out else out
-        shape, _, most_new = check_inputs(inputs, self.options, host, out_view)
+        shape, _, most_new = check_inputs(inputs, self.options, host_contents(self.backend, raw),
+                                          out_view)
         self._check_matches_plan(shape, most_new)
-        return self._execute(inputs, query, out, out_view if device_out else None, stream)
+        if self.backend != "gpu":
+            return self._finish(query, out, *self._reference(inputs))
+        result = self.run_matched(inputs.as_tuple(), out_view if device_out else None, stream)
+        lse = None
+        if self.options.return_lse:
+            result, lse = result
+        if out is None:
+            result = arrays.like(query, result)
+        else:
+            if not device_out:  # a host `out` is filled from the device result
+                out[...] = arrays.to_host(result)
+            result = out
+        return (result, arrays.like(query, lse)) if self.options.return_lse else result
 
     # --- internals ---------------------------------------------------------------------------
+
+    @property
+    def signature(self):
+        """The planned arrays' `device_signature` (None unless they were all cupy arrays)."""
+        return self._signature
+
+    def run_matched(self, raw: tuple, out=None, stream=None):
+        """`run` for the eight arrays of INPUT_NAMES (None where absent) already known to match
+        the plan: cupy arrays whose device_signature equals `signature`, and an `out` of the
+        query's shape and dtype, C-contiguous (cupa.decode's plan cache has compared them).
+        Nothing is checked here."""
+        cupy = arrays.cupy_module()
+        if stream is not None:
+            with stream:
+                return self.run_matched(raw, out, None)
+        stream_ptr = cupy.cuda.get_current_stream().ptr
+        lse = self.lse
+        workspace = self._workspace
+        if out is None:
+            out = self.out
+        if out is None:  # a plan of cupa.decode: new outputs and workspace on this stream
+            shape = self.shape
+            out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
+                             dtype=self.query_dtype)
+            if self.options.return_lse:
+                lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
+            workspace = allocate_workspace(self._launch_plan, shape)
+        acc = 0 if workspace is None else workspace.ptr
+        pointers = (out.data.ptr, 0 if lse is None else lse.data.ptr, acc,
+                    acc and acc + self._max_offset, acc and acc + self._sum_offset,
+                    raw[0].data.ptr, raw[1].data.ptr, raw[2].data.ptr, self._scales_ptr,
+                    raw[3].data.ptr, raw[4].data.ptr,
+                    0 if raw[5] is None else raw[5].data.ptr,
+                    0 if raw[6] is None else raw[6].data.ptr,
+                    0 if raw[7] is None else raw[7].data.ptr)
+        with self._lock:
+            self._launch(pointers, stream_ptr)
+        return (out, lse) if self.options.return_lse else out
 
     def _check_matches_plan(self, shape: DecodeShape, most_new):
         """Shapes, dtypes and options as planned; lengths need no check (the grid covers the
@@ -177,38 +246,19 @@ class DecodePlan:
             raise ValueError(f"query_start_loc: a sequence has {most_new} new tokens, more than "
                              f"the plan's max_query_len={self.max_query_len}")
 
-    def _execute(self, inputs: DecodeInputs, query, out, device_out, stream):
-        if self.backend == "gpu":
-            result, lse = self._launch(inputs, device_out, stream)
-        else:
-            result, lse = self._reference(inputs)
+    def _finish(self, query, out, result, lse):
+        """The numpy backend's result as the caller's kind of array, or in the caller's out."""
         if out is None:
             result = arrays.like(query, result)
+        elif arrays.is_device_array(out):
+            arrays.to_device(out)[...] = arrays.to_device(result)
+            result = out
         else:
-            if device_out is not None and result is not device_out:
-                device_out[...] = arrays.to_device(result)
-            elif device_out is None:
-                out[...] = arrays.to_host(result)
+            out[...] = result
             result = out
         return (result, arrays.like(query, lse)) if self.options.return_lse else result
 
-    def _launch(self, inputs: DecodeInputs, device_out, stream):
-        from .gpu import launch
-        cupy = arrays.cupy_module()
-        target = device_out if device_out is not None else self.out
-        with stream if stream is not None else cupy.cuda.get_current_stream():
-            if target is None:  # a one-shot plan without own buffers: on the launch stream
-                target = cupy.empty(inputs.query.shape, dtype=inputs.query.dtype)
-            launch(self._launch_plan, self.shape, self._workspace, self._device_index,
-                   out=target, lse=self.lse, query=inputs.query, key_cache=inputs.key_cache,
-                   value_cache=inputs.value_cache, kv_scales=self._kv_scales,
-                   block_tables=inputs.block_tables, seq_lens=inputs.seq_lens,
-                   query_start_loc=inputs.query_start_loc, alibi_slopes=inputs.alibi_slopes,
-                   sinks=inputs.sinks)
-        return target, self.lse
-
     def _reference(self, inputs: DecodeInputs):
-        from .reference import paged_decode_reference
         key_cache, value_cache = inputs.key_cache, inputs.value_cache
         if self.fmt is not None:  # the oracle works on the dequantised cache
             per_head = (1, -1, 1, 1)
@@ -222,11 +272,3 @@ class DecodePlan:
             logits_soft_cap=self.options.logits_soft_cap, sinks=inputs.sinks)
         lse = lse.astype(np.float32) if self.options.return_lse else None
         return out.astype(inputs.query.dtype), lse
-
-
-def default_max_query_len(shape: DecodeShape) -> int:
-    """Most new tokens a sequence can have when query_start_loc lives on the device: every
-    sequence has at least one, so none has more than num_tokens - num_seqs + 1."""
-    if not shape.multi_token:
-        return 1
-    return max(1, min(MAX_QUERY_LEN, shape.num_tokens - shape.num_seqs + 1))

@@ -7,18 +7,10 @@ reads values and is run only on host (numpy) tables, where it needs no device sy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
-# At most 32: the tensor-core kernels' copies rely on it (KvRing::MAX_BLOCK_SIZE in decode_mma.cu).
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-# Query dtypes an fp8 cache serves (the tensor cores and the kernels' fp8 variants).
-FP8_QUERY_DTYPES = ("float16", "bfloat16")
-MAX_QUERY_LEN = 16  # new tokens per sequence in one call (MAX_QUERY_LEN in decode_common.cuh)
-
+from .problem import (FP8_QUERY_DTYPES, MAX_QUERY_LEN, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES,
+                      SUPPORTED_HEAD_SIZES, DecodeShape)
 
 # numpy builds a dtype's name anew on every access (~10 us per decode call for the six arrays
 # validated): names are remembered per dtype object.
@@ -36,36 +28,15 @@ def dtype_name(dtype) -> str:
         return np.dtype(dtype).name
 
 
-@dataclass(frozen=True)
-class DecodeShape:
-    """Everything about one decode call that does not depend on array contents."""
-
-    num_seqs: int
-    num_tokens: int  # query rows: num_seqs, or query_start_loc[-1] in multi-token decode
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    num_blocks: int
-    block_size: int
-    max_blocks_per_seq: int
-    dtype: str
-    scale: float
-    has_alibi: bool
-    sliding_window: int = 0      # 0: attend to every position
-    logits_soft_cap: float = 0.0  # 0: no soft-capping
-    has_sinks: bool = False
-    multi_token: bool = False  # query_start_loc given
-    kv_format: str | None = None  # None: the cache holds the query dtype; else an fp8 format
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head (1 for MHA, num_heads for MQA)."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def capacity(self) -> int:
-        """Most tokens a sequence can hold with this block table width."""
-        return self.max_blocks_per_seq * self.block_size
+def check_is_array(name, x):
+    """A TypeError for what cannot be an array argument: None, strings, mappings, objects
+    without shape and dtype. Lists, tuples and numbers are converted like numpy does."""
+    if isinstance(x, (list, tuple, int, float, np.generic)):
+        return
+    if x is None or isinstance(x, (str, bytes, dict)) or not (
+            hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name}: expected an array (numpy, cupy or a DLPack / CUDA array "
+                        f"interface tensor), got {type(x).__name__}")
 
 
 def _shape_error(name, expected, actual):

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         return 2
     import cupy
 
-    from cupa.device import device_info
+    from cupa.gpu.device import device_info
     from llm.config import ModelConfig
     from llm.model import Model
     from llm.runtime import resolve_kv_format

@@ -110,10 +110,12 @@ def rel_error(out, ref) -> float:
 
 @contextlib.contextmanager
 def environ(**values):
-    """Environment variables set for the block (the planner reads CUPA_KERNEL and CUPA_MERGE
-    at each call), restored after it."""
+    """Environment variables set for the block and restored after it; the dispatch switches
+    (CUPA_KERNEL, CUPA_MERGE, CUPA_CHAINED_REDUCE) are read again on entry and on exit."""
+    from cupa.gpu import dispatch
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
+    dispatch.reload_switches()
     try:
         yield
     finally:
@@ -122,3 +124,4 @@ def environ(**values):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        dispatch.reload_switches()

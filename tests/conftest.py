@@ -14,6 +14,23 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def switch(monkeypatch):
+    """switch(name, value) sets a CUPA_* environment switch for this test (value None unsets
+    it); cupa's dispatch switches are read again now and after the test."""
+    from cupa.gpu import dispatch
+
+    def set_switch(name, value):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        dispatch.reload_switches()
+    yield set_switch
+    monkeypatch.undo()
+    dispatch.reload_switches()
+
+
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run only the I-th of N interleaved slices of the collected tests "

@@ -1,5 +1,5 @@
 """Probes of cupa/kernels/fp8.cuh for the tests: two tiny GPU kernels built like every cupa variant
-(cupa.variants.module_source, cupa.compiler.kernels), and the same functions compiled for the
+(cupa.catalogue.module_source, cupa.compiler.kernels), and the same functions compiled for the
 host with clang, so that CPU-only CI runs the device code too."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupa import variants
+from cupa.gpu import catalogue
 
 PROBE_KERNELS = r"""
 extern "C" __global__ void cupa_fp8_probe_encode(const float* x, u8* codes, i64 n, i32 fmt) {
@@ -38,7 +38,7 @@ class Fp8ProbeVariant:
 
 def gpu_encode(x: np.ndarray, kernel_id: int) -> np.ndarray:
     import cupy
-    from cupa.compiler import kernels
+    from cupa.gpu.compiler import kernels
     x = cupy.asarray(np.ascontiguousarray(x, np.float32))
     codes = cupy.empty(x.size, cupy.uint8)
     kernels(Fp8ProbeVariant())["cupa_fp8_probe_encode"](
@@ -48,7 +48,7 @@ def gpu_encode(x: np.ndarray, kernel_id: int) -> np.ndarray:
 
 def gpu_decode(codes: np.ndarray, kernel_id: int) -> np.ndarray:
     import cupy
-    from cupa.compiler import kernels
+    from cupa.gpu.compiler import kernels
     codes = cupy.asarray(np.ascontiguousarray(codes, np.uint8))
     x = cupy.empty(codes.size, cupy.float32)
     kernels(Fp8ProbeVariant())["cupa_fp8_probe_decode"](
@@ -99,7 +99,7 @@ def host_compiler() -> str | None:
 def build_host_probe(directory: str) -> str:
     """Compile fp8.cuh's functions for the CPU (clang; `#include "common.cuh"` replaced by a
     prelude of the few helpers used). Returns the executable's path."""
-    source = (variants.KERNEL_DIR / "fp8.cuh").read_text()
+    source = (catalogue.KERNEL_DIR / "fp8.cuh").read_text()
     source = source.replace("#pragma once", "").replace('#include "common.cuh"', _HOST_PRELUDE)
     path = os.path.join(directory, "fp8_probe.cpp")
     exe = os.path.join(directory, "fp8_probe")

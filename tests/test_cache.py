@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupa
-from cupa.block_allocator import OutOfBlocksError
+from cupa.cache.blocks import OutOfBlocksError
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 

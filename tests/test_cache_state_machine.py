@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cupa
-from cupa.block_allocator import OutOfBlocksError
+from cupa.cache.blocks import OutOfBlocksError
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 12, 4, 4
 ALPHABET = 3  # few token ids, so that prefixes repeat and the prefix cache gets hits

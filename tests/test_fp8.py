@@ -268,6 +268,6 @@ def test_fp8_cuh_matches_host_and_ml_dtypes(host_probe, rng, name):
 @pytest.mark.parametrize("arch", ["sm_89", "gfx942"])
 def test_gpu_probe_compiles_offline(arch):
     from test_compile_offline import missing_compilers, require_compilers
-    from cupa.compiler import compile_offline
+    from cupa.gpu.offline import compile_offline
     require_compilers(missing_compilers())
     assert compile_offline(fp8_probe.Fp8ProbeVariant(), arch) > 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupa
-from cupa import variants
+from cupa.gpu import catalogue, dispatch
 from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
@@ -31,11 +31,11 @@ def to_gpu(case):
 
 def kernel_modes(case):
     """'auto' picks the tensor-core kernel where it applies; check the portable one there too."""
-    from cupa.device import device_info
+    from cupa.gpu.device import device_info
     num_kv_heads, _, head_size = case.key_cache.shape[1:]
     group = case.query.shape[1] // num_kv_heads
     dtype = np.dtype(case.query.dtype).name
-    eligible = variants.mma_eligible(dtype, head_size, group, device_info().target.arch)
+    eligible = dispatch.mma_eligible(dtype, head_size, group, device_info().target.arch)
     return ("auto", "portable") if eligible else ("auto",)
 
 
@@ -114,32 +114,32 @@ def test_many_sequences_single_partition(rng):
 
 
 @pytest.mark.parametrize("chained", ["1", "0"], ids=["chained_reduce", "ordinary_reduce"])
-def test_reduce_launch_forms(rng, monkeypatch, chained):
+def test_reduce_launch_forms(rng, switch, chained):
     """The reduce launched as a programmatic dependent of phase 1 (sm_90) and the ordinary way
     give the same, correct results, with many partitions (up to 36: more than a cluster merges)
     and with sinks and empty sequences."""
-    monkeypatch.setenv("CUPA_CHAINED_REDUCE", chained)
+    switch("CUPA_CHAINED_REDUCE", chained)
     case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=2,
                      group=8, seq_lens=(0, 1, 257, 3000, 9000), sinks=True)
     run_and_check(case, "float16")
 
 
 @pytest.mark.parametrize("num_partitions", [2, 8, 9, 16])
-def test_cluster_merge_sizes(rng, monkeypatch, num_partitions):
+def test_cluster_merge_sizes(rng, switch, num_partitions):
     """Partitions merged within clusters of 2 to 16 blocks (above 8 the kernel opts in to
     non-portable sizes), where the tensor-core kernels run on sm_90; ragged lengths leave some
     blocks of a cluster without work, one sequence has a single partition with work, and one
     none."""
     import cupy
-    from cupa.device import device_info
-    monkeypatch.setenv("CUPA_MERGE", "cluster")
+    from cupa.gpu.device import device_info
+    switch("CUPA_MERGE", "cluster")
     lengths = (0, 100, 256 * num_partitions - 5, 257, 128 * num_partitions + 3)
     case = make_case(rng, dtype="bfloat16", head_size=128, block_size=16, num_kv_heads=2,
                      group=8, seq_lens=lengths, sinks=True, spare_columns=0)
     args, options = to_gpu(case)
     plan = cupa.plan_decode(*args, **options, return_lse=True, partition_size=256)
     assert plan.max_partitions == num_partitions
-    clusters = variants.merges_in_cluster(plan._launch_plan.variant, device_info().target.arch,
+    clusters = dispatch.merges_in_cluster(plan._launch_plan.variant, device_info().target.arch,
                                           num_partitions)
     assert plan.merge == ("cluster" if clusters else "reduce")
     ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
@@ -211,16 +211,16 @@ def test_repeated_calls_are_deterministic(rng):
 
 
 def test_tensor_core_kernel_is_chosen_where_it_applies():
-    from cupa.device import device_info
-    from cupa.plan import make_plan
-    from cupa.validation import DecodeShape
+    from cupa.gpu.device import device_info
+    from cupa.gpu.planner import make_plan
+    from cupa.problem import DecodeShape
     arch = device_info().target.arch
     shape = DecodeShape(num_seqs=4, num_tokens=4, num_heads=64, num_kv_heads=8, head_size=128, num_blocks=64,
                         block_size=16, max_blocks_per_seq=16, dtype="float16", scale=0.1,
                         has_alibi=False)
     variant = make_plan(shape, 132, arch=arch).variant
     nvidia_ampere_plus = arch.startswith("sm_") and int(arch[3:]) >= 80
-    assert isinstance(variant, variants.DecodeMmaVariant) == nvidia_ampere_plus
+    assert isinstance(variant, catalogue.DecodeMmaVariant) == nvidia_ampere_plus
 
 
 GPU_FEATURES = {

@@ -113,7 +113,7 @@ def test_gpu_fp8_kv_cache_logits_close_to_reference(models, dtype, kv_format, at
 
 
 def test_gpu_cli_fp8(models, expected):
-    from cupa.device import device_info
+    from cupa.gpu.device import device_info
     from cupa.fp8 import default_kv_format
     from llm.runtime import resolve_kv_format
     assert resolve_kv_format("auto", "gpu") == default_kv_format(device_info().target.arch)

@@ -61,13 +61,13 @@ def _fixed_case(rng, seq_lens, new_tokens, num_blocks, width, **kwargs):
 
 @pytest.mark.parametrize("merge", [None, "reduce", "cluster"],
                          ids=["single", "split_reduce", "split_cluster"])
-def test_graph_capture_replays_with_new_contents(rng, monkeypatch, merge):
+def test_graph_capture_replays_with_new_contents(rng, switch, merge):
     """Replays of a captured plan decode new contents; split plans merge their partitions with
     the reduce launch or within clusters (sm_90)."""
     import cupy
     partitioned = merge is not None
     if partitioned:
-        monkeypatch.setenv("CUPA_MERGE", merge)
+        switch("CUPA_MERGE", merge)
     num_blocks, width = 300, 160  # capacity 2560 tokens
     trials = [((2500, 30, 1, 700), (4, 1, 2, 3)), ((17, 2560, 900, 5), (3, 3, 2, 2)),
               ((1, 4, 2000, 64), (1, 4, 4, 1))]
@@ -79,9 +79,9 @@ def test_graph_capture_replays_with_new_contents(rng, monkeypatch, merge):
                             partition_size=256 if partitioned else 2560)
     assert (plan.max_partitions > 1) == partitioned
     if partitioned:  # clusters where the kernel can (sm_90, tensor cores), else the reduce
-        from cupa import variants
-        from cupa.device import device_info
-        clusters = variants.merges_in_cluster(plan._launch_plan.variant,
+        from cupa.gpu import catalogue, dispatch
+        from cupa.gpu.device import device_info
+        clusters = dispatch.merges_in_cluster(plan._launch_plan.variant,
                                               device_info().target.arch, plan.max_partitions)
         assert plan.merge == ("cluster" if clusters else "reduce")
     else:

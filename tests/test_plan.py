@@ -2,9 +2,10 @@
 
 import pytest
 
-from cupa import variants
-from cupa.plan import MAX_GRID_YZ, make_plan
-from cupa.validation import DecodeShape
+from cupa.gpu import catalogue, dispatch
+from cupa.gpu.planner import make_plan
+from cupa.problem import MAX_GRID_YZ
+from cupa.problem import DecodeShape
 
 H200_SMS = 132
 
@@ -32,7 +33,7 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 256, 2, "sm_80", "cupa_decode_mma8_f16_d256"),
 ])
 def test_kernel_selection(dtype, head_size, group, arch, expected):
-    assert variants.decode_variant(dtype, head_size, group, arch).partition_name == expected
+    assert dispatch.decode_variant(dtype, head_size, group, arch).partition_name == expected
 
 
 @pytest.mark.parametrize("dtype, head_size, rows, arch, fmt, expected, power", [
@@ -47,11 +48,11 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
 ])
 def test_fp8_kernel_selection(dtype, head_size, rows, arch, fmt, expected, power):
     from cupa.fp8 import FP8_FORMATS
-    variant = variants.decode_variant(dtype, head_size, rows, arch, fmt)
+    variant = dispatch.decode_variant(dtype, head_size, rows, arch, fmt)
     assert variant.partition_name == expected
-    assert variants.fp8_value_power(variant, FP8_FORMATS[fmt].exponent_bias) == power
-    assert variant.reduce_name == f"cupa_reduce_{variants.DTYPES[dtype][0]}"
-    assert variant in variants.all_variants(arch)
+    assert catalogue.fp8_value_power(variant, FP8_FORMATS[fmt].exponent_bias) == power
+    assert variant.reduce_name == f"cupa_reduce_{catalogue.DTYPES[dtype][0]}"
+    assert variant in catalogue.all_variants(arch)
 
 
 # Shared memory per multiprocessor, and the most one workgroup may opt in to (CUDA guide, compute
@@ -65,7 +66,7 @@ def test_tensor_core_kernels_fit_their_shared_memory(arch):
     at (two; one for the 16-bit head-256 kernels), at least one on sm_80; the merge buffer
     reuses it."""
     per_sm, per_block = SHARED_PER_SM[arch]
-    for v in variants.all_mma_variants():
+    for v in catalogue.all_mma_variants():
         assert 0 < v.shared_bytes <= per_block, v
         if arch == "sm_90":  # + 1 KB reserved per workgroup
             assert v.workgroups_per_sm * (v.shared_bytes + 1024) <= per_sm, v
@@ -74,9 +75,9 @@ def test_tensor_core_kernels_fit_their_shared_memory(arch):
         assert v.shared_bytes >= 4 * head_rows * v.head_size * 4  # the merge buffer fits
 
 
-def test_forcing_the_portable_kernel(monkeypatch):
-    monkeypatch.setenv("CUPA_KERNEL", "portable")
-    assert isinstance(variants.decode_variant("float16", 128, 8, "sm_90"), variants.DecodeVariant)
+def test_forcing_the_portable_kernel(switch):
+    switch("CUPA_KERNEL", "portable")
+    assert isinstance(dispatch.decode_variant("float16", 128, 8, "sm_90"), catalogue.DecodeVariant)
 
 
 def test_row_chunks_cover_the_group():
@@ -141,15 +142,15 @@ H200_LIMITS = dict(registers_per_sm=65536, shared_per_sm=233472, reserved_shared
 
 @pytest.mark.parametrize("dtype, head_size, heads, cache, registers, expected", [
     ("float16", 128, 8, None, 160, 2),                    # the 98 KB ring limits it
-    ("float16", 128, 8, variants.FP8_E4M3_NATIVE, 147, 2),  # 128-token chunks: the same ring
+    ("float16", 128, 8, catalogue.FP8_E4M3_NATIVE, 147, 2),  # 128-token chunks: the same ring
     ("float16", 64, 8, None, 98, 3),
-    ("float16", 64, 8, variants.FP8_E4M3_NATIVE, 91, 5),  # registers limit it
+    ("float16", 64, 8, catalogue.FP8_E4M3_NATIVE, 91, 5),  # registers limit it
     ("float16", 128, 16, None, 203, 2),                   # registers and ring both
 ])
 def test_residency_of_the_tensor_core_kernels(dtype, head_size, heads, cache, registers, expected):
-    from cupa.occupancy import workgroups_per_sm
-    v = variants.DecodeMmaVariant(dtype, head_size, heads, cache)
-    assert workgroups_per_sm(registers, v.shared_bytes, variants.THREADS, **H200_LIMITS) == expected
+    from cupa.gpu.occupancy import workgroups_per_sm
+    v = catalogue.DecodeMmaVariant(dtype, head_size, heads, cache)
+    assert workgroups_per_sm(registers, v.shared_bytes, catalogue.THREADS, **H200_LIMITS) == expected
 
 
 def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
@@ -168,43 +169,75 @@ def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
 
 @pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
                                            ("sm_90a", True), ("gfx942", False)])
-def test_reduce_is_chained_from_sm90(monkeypatch, arch, chained):
-    monkeypatch.delenv("CUPA_CHAINED_REDUCE", raising=False)
-    assert variants.chains_reduce(arch) is chained
-    monkeypatch.setenv("CUPA_CHAINED_REDUCE", "0")
-    assert not variants.chains_reduce(arch)
+def test_reduce_is_chained_from_sm90(switch, arch, chained):
+    switch("CUPA_CHAINED_REDUCE", None)
+    assert dispatch.chains_reduce(arch) is chained
+    switch("CUPA_CHAINED_REDUCE", "0")
+    assert not dispatch.chains_reduce(arch)
 
 
-def test_chained_launch_arguments_keep_their_c_types():
-    """What cuLaunchKernelEx receives for each kind of argument gpu.launch passes."""
+def test_prepared_launch_scalars_keep_their_c_types():
+    """What the driver receives for each kind of scalar the launches pack."""
     import ctypes
 
     import numpy as np
 
-    from cupa import chained_launch
+    from cupa.gpu import driver
 
-    class DeviceArray:  # what the launcher reads of a cupy array
-        class data:
-            ptr = 0xDEAD000
-
-    assert chained_launch._argument(DeviceArray()).value == 0xDEAD000
-    assert isinstance(chained_launch._argument(np.uint64(0)), ctypes.c_uint64)
-    assert chained_launch._argument(np.int32(-7)).value == -7
-    assert chained_launch._argument(np.float32(0.5)).value == 0.5
-    with pytest.raises(TypeError, match="unsupported kernel argument"):
-        chained_launch._argument(3)  # a Python int would be ambiguous: never passed
+    assert isinstance(driver._scalar(np.int32(-7)), ctypes.c_int32)
+    assert driver._scalar(np.int32(-7)).value == -7
+    assert driver._scalar(np.int64(1 << 40)).value == 1 << 40
+    assert driver._scalar(np.float32(0.5)).value == 0.5
+    with pytest.raises(TypeError, match="np.int32"):
+        driver._scalar(3)  # a Python int would be ambiguous: never packed
 
 
-def test_cluster_launch_without_the_driver_call_says_what_to_do(monkeypatch):
-    from cupa import chained_launch
-    monkeypatch.setattr(chained_launch, "_driver", lambda: None)
+def test_prepared_launch_packs_pointers_then_scalars(monkeypatch):
+    """The argument block a PreparedLaunch hands the driver: one slot per pointer, then the
+    scalars, each slot pointing at its value; a call rewrites only the pointer slots."""
+    import ctypes
+
+    import numpy as np
+
+    from cupa.gpu import driver
+
+    seen = []
+
+    def fake_launch(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        seen.append((handle, (gx, gy, gz), (bx, by, bz), shared, stream,
+                     [ctypes.c_uint64.from_address(slots[i]).value for i in range(2)],
+                     ctypes.c_int32.from_address(slots[2]).value,
+                     ctypes.c_float.from_address(slots[3]).value))
+        return 0
+
+    class Kernel:
+        name = "k"
+
+        class kernel:
+            ptr = 0xABC
+
+    monkeypatch.setattr(driver, "driver", lambda is_hip: driver.Driver(None, fake_launch, None,
+                                                                        None))
+    launch = driver.PreparedLaunch(Kernel, (3, 2, 1), (128, 1, 1), pointers=2,
+                                   scalars=(np.int32(5), np.float32(0.25)), is_hip=False,
+                                   shared_bytes=64)
+    launch((0x1000, 0), 77)
+    launch((0x2000, 0x3000), 78)
+    assert seen == [(0xABC, (3, 2, 1), (128, 1, 1), 64, 77, [0x1000, 0], 5, 0.25),
+                    (0xABC, (3, 2, 1), (128, 1, 1), 64, 78, [0x2000, 0x3000], 5, 0.25)]
+
+
+def test_launches_with_attributes_without_the_driver_call_say_what_to_do(monkeypatch):
+    from cupa.gpu import driver
+    monkeypatch.setattr(driver, "driver", lambda is_hip: None)
     with pytest.raises(RuntimeError, match="CUPA_MERGE=reduce"):
-        chained_launch.launch_clustered(None, (1, 2, 1), (128, 1, 1), (), 0, cluster=(1, 2, 1),
-                                        shared_bytes=0)
+        driver.PreparedLaunch(None, (1, 2, 1), (128, 1, 1), pointers=0, scalars=(),
+                              is_hip=False, form="cluster", cluster=(1, 2, 1))
 
 
-def test_partitions_merge_in_clusters_of_two_on_sm90(monkeypatch):
-    monkeypatch.delenv("CUPA_MERGE", raising=False)
+def test_partitions_merge_in_clusters_of_two_on_sm90(switch):
+    switch("CUPA_MERGE", None)
     two = make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90", max_seq_len=16384)
     assert two.max_partitions == 2 and two.cluster_merge and not two.reduce_launch
     many = make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
@@ -216,22 +249,22 @@ def test_partitions_merge_in_clusters_of_two_on_sm90(monkeypatch):
     single = make_plan(shape(batch=256, seq_len=2048), H200_SMS, arch="sm_90", max_seq_len=2048)
     assert single.single_partition and not single.cluster_merge and not single.reduce_launch
 
-    monkeypatch.setenv("CUPA_MERGE", "cluster")  # wherever the kernel can: up to 16 blocks
+    switch("CUPA_MERGE", "cluster")  # wherever the kernel can: up to 16 blocks
     assert make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90",
                      max_seq_len=4096).cluster_merge
     assert not make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90",
                          partition_size=128).cluster_merge  # 32 partitions: the reduce
-    monkeypatch.setenv("CUPA_MERGE", "reduce")
+    switch("CUPA_MERGE", "reduce")
     assert not make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90").cluster_merge
-    monkeypatch.setenv("CUPA_MERGE", "sometimes")
+    switch("CUPA_MERGE", "sometimes")
     with pytest.raises(ValueError, match="CUPA_MERGE"):
         make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90")
 
 
-def test_short_one_token_launches_pair_their_partitions_in_clusters(monkeypatch):
+def test_short_one_token_launches_pair_their_partitions_in_clusters(switch):
     """From about one workgroup per multiprocessor, short one-token launches on sm_90 take two
     partitions merged within clusters instead of more partitions and the reduce launch."""
-    monkeypatch.delenv("CUPA_MERGE", raising=False)
+    switch("CUPA_MERGE", None)
     paired = make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
     assert paired.max_partitions == 2 and paired.cluster_merge
     longer = make_plan(shape(batch=8, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)
@@ -245,6 +278,6 @@ def test_short_one_token_launches_pair_their_partitions_in_clusters(monkeypatch)
                      max_query_len=4).max_partitions == 4  # the 16-row kernel: slower in pairs
     assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_80",
                      max_seq_len=4096).max_partitions == 4
-    monkeypatch.setenv("CUPA_MERGE", "reduce")
+    switch("CUPA_MERGE", "reduce")
     assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90",
                      max_seq_len=4096).max_partitions == 4

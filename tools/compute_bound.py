@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 import cupa  # noqa: E402
-from cupa.bench import Timer  # noqa: E402
+from cupa.bench.harness import Timer  # noqa: E402
 from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
 
 

@@ -3,7 +3,7 @@ make_problem), optionally with several new tokens per sequence and an fp8 cache.
 import numpy as np
 
 import cupa
-from cupa.bench import make_problem
+from cupa.bench.harness import make_problem
 
 FP8_SCALE = 0.02  # N(0, 1) data: codes use the upper range without saturating much
 

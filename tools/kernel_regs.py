@@ -4,12 +4,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupa import variants  # noqa: E402
-from cupa.compiler import kernels  # noqa: E402
-from cupa.device import device_info  # noqa: E402
+from cupa.gpu import catalogue  # noqa: E402
+from cupa.gpu.compiler import kernels  # noqa: E402
+from cupa.gpu.device import device_info  # noqa: E402
 
 info = device_info()
-for v in variants.all_mma_variants():
+for v in catalogue.all_mma_variants():
     if v.head_size != 128:
         continue
     fn = kernels(v, info.index)[v.partition_name]

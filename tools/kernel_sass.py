@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupa import variants  # noqa: E402
-from cupa.compiler import Target  # noqa: E402
+from cupa.gpu import catalogue  # noqa: E402
+from cupa.gpu.device import Target  # noqa: E402
 
 
 def tool(name):
@@ -39,7 +39,7 @@ def tool(name):
 
 def ptx(variant, arch):
     from cupy.cuda import nvrtc
-    program = nvrtc.createProgram(variants.batch_source([variant]), "k.cu", [], [])
+    program = nvrtc.createProgram(catalogue.batch_source([variant]), "k.cu", [], [])
     virtual = "compute_" + arch.split("_", 1)[1]
     nvrtc.compileProgram(program, list(Target(arch).defines()) +
                          ["--std=c++17", f"--gpu-architecture={virtual}"])
@@ -86,7 +86,7 @@ def main():
     p.add_argument("--dump", metavar="DIR", help="also write each kernel's SASS there")
     args = p.parse_args()
     ptxas, cuobjdump = tool("ptxas"), tool("cuobjdump")
-    chosen = [v for v in variants.all_mma_variants()
+    chosen = [v for v in catalogue.all_mma_variants()
               if not args.kernel or v.partition_name in args.kernel]
     with tempfile.TemporaryDirectory() as tmp:
         for v in chosen:

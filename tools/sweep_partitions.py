@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupa  # noqa: E402
-from cupa.bench import DEFAULT_SHAPES, Timer  # noqa: E402
+from cupa.bench.main import DEFAULT_SHAPES
+from cupa.bench.harness import Timer  # noqa: E402
 from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
 
 

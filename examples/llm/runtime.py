@@ -92,7 +92,7 @@ def resolve_kv_format(name: str, backend: str):
     if name == "auto":
         if backend != "gpu":
             return None
-        from cupa.device import device_info
+        from cupa.gpu.device import device_info
         return default_kv_format(device_info().target.arch)
     return None if name == "none" else name
 

@@ -1,11 +1,7 @@
-"""Compiling kernel variants: at run time through cupy.RawModule, and offline for CI.
+"""Compiling every kernel variant offline, for targets with no GPU present (CI, `cupa compile`).
 
-Run time: one RawModule per (device, variant), compiled on first use and kept for the process;
-cupy's own disk cache (keyed on source + options) makes later processes skip the compiler.
-
-Offline (`python -m cupa compile`): the same source and the same defines, for targets with no GPU
-present: NVRTC through cupy's bindings for sm_XX, and clang (-x hip --cuda-device-only -nogpulib)
-for gfxXXXX, which runs the whole AMDGPU back end down to ISA.
+The same source and the same defines as at run time: NVRTC through cupy's bindings for sm_XX, and
+clang (-x hip --cuda-device-only) for gfxXXXX, which runs the whole AMDGPU back end down to ISA.
 """
 
 from __future__ import annotations
@@ -14,51 +10,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 
-from . import variants
-from .arrays import cupy_module
-from .device import Target, device_info
-
-_modules: dict = {}
-_lock = threading.Lock()
-
-
-def kernels(variant, device_index: int | None = None) -> dict:
-    """{entry name: cupy RawKernel} of a variant compiled for a device (once per process).
-
-    `variant` is any object with `source_file`, `entry_names` and `instantiations()` (see
-    cupa.variants).
-    """
-    info = device_info(device_index)
-    options = info.target.runtime_options()
-    key = (info.index, variant, options)
-    compiled = _modules.get(key)
-    if compiled is None:
-        with _lock:
-            compiled = _modules.get(key)
-            if compiled is None:
-                cupy = cupy_module()
-                module = cupy.RawModule(code=variants.module_source(variant), options=options)
-                compiled = {name: module.get_function(name) for name in variant.entry_names}
-                _allow_dynamic_shared(compiled, getattr(variant, "shared_bytes", 0))
-                _modules[key] = compiled
-    return compiled
-
-
-# Above this, a kernel must opt in to more dynamic shared memory (CUDA; the tensor-core kernels
-# that use it exist only for NVIDIA: HIP's setter fails, and its LDS is 64 KB anyway).
-DEFAULT_DYNAMIC_SHARED = 48 * 1024
-
-
-def _allow_dynamic_shared(compiled: dict, nbytes: int) -> None:
-    if nbytes > DEFAULT_DYNAMIC_SHARED:
-        for kernel in compiled.values():
-            kernel.max_dynamic_shared_size_bytes = nbytes
-
-
-# ---------------------------------------------------------------------------------------------
-# Offline compilation
+from ..arrays import cupy_module
+from . import catalogue
+from .device import Target
 
 DEFAULT_TARGETS = ("sm_80", "sm_90", "gfx90a", "gfx942", "gfx1100", "gfx1201")
 
@@ -143,7 +98,7 @@ def compile_offline(variant_group, arch: str) -> int:
     batch instead of once per variant, and the kernels compiled are the same."""
     group = variant_group if isinstance(variant_group, (list, tuple)) else [variant_group]
     target = Target(arch)
-    source = variants.batch_source(group)
+    source = catalogue.batch_source(group)
     name = group[0].entry_names[0] + (f"_and_{len(group) - 1}_more" if len(group) > 1 else "")
     if target.is_hip:
         return _compile_clang_hip(source, name, target)

@@ -4,7 +4,7 @@ Storage is two arrays (K and V) of shape [num_layers, num_blocks, num_kv_heads, 
 head_size] on the cache's device (cupy) or host (numpy), of `dtype` or, with an fp8 `kv_format`,
 of uint8 fp8 codes with per-KV-head scales (cupa.fp8). A block id names the same block in every
 layer, so one block table serves all layers and block copies (copy-on-write, swap) move all layers
-at once. Bookkeeping (free list, reference counts, prefix hashes) is in `cupa.block_allocator`.
+at once. Bookkeeping (free list, reference counts, prefix hashes) is in `cupa.cache.blocks`.
 
 Every public method validates all of its arguments before changing anything, so an error leaves
 the cache exactly as it was.
@@ -15,20 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from . import arrays, variants
-from .api import decode as _decode, resolve_backend
-from .block_allocator import ROOT_HASH, BlockAllocator, OutOfBlocksError, block_hash
-from .fp8 import check_kv_format, kv_scales, quantize_fp8
-from .validation import dtype_name
+from .. import arrays
+from ..api import decode, resolve_backend
+from ..fp8 import check_kv_format, kv_scales, quantize_fp8
+from ..problem import STORAGE_DTYPES
+from ..validation import dtype_name
+from .blocks import ROOT_HASH, BlockAllocator, OutOfBlocksError, block_hash
 
-STORAGE_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # Same-size unsigned integers: block copies move raw bits, which is exact for every dtype and
 # needs no bfloat16 support from the array library's copy kernels.
 BIT_DTYPES = {2: np.uint16, 4: np.uint32, 1: np.uint8}
-WRITE_THREADS_MAX = variants.THREADS  # the write kernel's __launch_bounds__
 
 __all__ = ["PagedKVCache", "OutOfBlocksError"]
 
@@ -195,6 +193,7 @@ class PagedKVCache:
         self._allocator = BlockAllocator(self.num_blocks, self.block_size)
         self._seqs: dict[Hashable, _Sequence] = {}
         self._table_buffers = _TableBuffers(self.backend == "gpu")
+        self._write_launch = None
 
     # --- storage ---------------------------------------------------------------------------
 
@@ -415,7 +414,7 @@ class PagedKVCache:
         block_tables, seq_lens = self.tables(seq_ids)
         decode_kwargs.setdefault(
             "max_seq_len", max((self._seqs[s].num_tokens for s in seq_ids), default=0))
-        return _decode(query, self._keys[layer], self._values[layer], block_tables, seq_lens,
+        return decode(query, self._keys[layer], self._values[layer], block_tables, seq_lens,
                        backend=self.backend, **decode_kwargs)
 
     # --- internals: lookups and checks -----------------------------------------------------
@@ -639,29 +638,30 @@ class PagedKVCache:
             bits[:, np.asarray(ids, dtype=np.int64)] = host_bits
 
     def _write_gpu(self, layer, slots, key, value, num_tokens):
+        cupy = arrays.cupy_module()
         slots = arrays.to_device(slots)
         if slots.dtype != np.int64:
             slots = slots.astype(np.int64)
         key, value = _aligned_rows(arrays.to_device(key)), _aligned_rows(arrays.to_device(value))
-        variant = variants.CacheWriteVariant(self.dtype, self.kv_format)
-        kernel = _compiled(variant)[variant.write_name]
-        # One thread per 16-byte vector of the cache row (fp8: 16 codes from 16 source elements).
-        vectors = 2 * self.num_kv_heads * self.head_size * self._storage_dtype.itemsize // 16
-        threads = min(WRITE_THREADS_MAX, -(-vectors // 32) * 32)
+        if self._write_launch is None:  # prepared once per cache (the kernel is compiled here)
+            from ..gpu.launch import CacheWriteLaunch
+            self._write_launch = CacheWriteLaunch(
+                self.dtype, self.kv_format, num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size, block_size=self.block_size,
+                num_blocks=self.num_blocks, storage_itemsize=self._storage_dtype.itemsize,
+                device_index=self._keys.device.id)
         item = key.itemsize
-        args = (key, value, self._keys[layer], self._values[layer], slots,
-                np.int32(self.num_kv_heads), np.int32(self.head_size), np.int32(self.block_size),
-                np.int64(self.num_blocks * self.block_size),
-                np.int64(key.strides[0] // item), np.int64(key.strides[1] // item),
-                np.int64(value.strides[0] // item), np.int64(value.strides[1] // item))
+        strides = (key.strides[0] // item, key.strides[1] // item,
+                   value.strides[0] // item, value.strides[1] // item)
+        fp8_tail = ()
         if self._fp8:
-            args += (*self._inv_scales, np.int32(self._fp8.kernel_id))
-        kernel((num_tokens,), (threads,), args)
-
-
-def _compiled(variant):
-    from .compiler import kernels
-    return kernels(variant)
+            fp8_tail = (self._inv_scales[0].data.ptr, self._inv_scales[1].data.ptr,
+                        self._fp8.kernel_id)
+        layer_offset = layer * self._keys.strides[0]  # no per-call views of the layer
+        pointers = (key.data.ptr, value.data.ptr, self._keys.data.ptr + layer_offset,
+                    self._values.data.ptr + layer_offset, slots.data.ptr)
+        self._write_launch(pointers, strides, num_tokens,
+                           cupy.cuda.get_current_stream().ptr, fp8_tail)
 
 
 def _aligned_rows(rows):

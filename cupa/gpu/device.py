@@ -6,8 +6,8 @@ import functools
 import os
 from dataclasses import dataclass
 
-from . import variants
-from .arrays import cupy_module
+from ..arrays import cupy_module
+from . import catalogue
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,14 @@ class Target:
 
     def defines(self) -> list[str]:
         return [f"-DCUPA_WARP={self.warp_size}", f"-DCUPA_HIP={int(self.is_hip)}",
-                f"-DCUPA_THREADS={variants.THREADS}"]
+                f"-DCUPA_THREADS={catalogue.THREADS}"]
 
     def runtime_options(self) -> tuple[str, ...]:
         """Options for cupy.RawModule on this target (cupy adds the arch itself).
 
         CUPA_EXTRA_OPTIONS (space-separated) is appended: a knob for kernel development, such as
-        trying -DCUPA_MMA_MIN_BLOCKS=3 without editing the source.
+        trying -DCUPA_MMA_MIN_BLOCKS=3 without editing the source. Read when a variant is
+        compiled (kernels are looked up once per plan).
         """
         extra = os.environ.get("CUPA_EXTRA_OPTIONS", "").split()
         if self.is_hip:

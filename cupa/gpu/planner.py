@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import variants
-from .validation import DecodeShape
+from ..problem import MAX_GRID_YZ, DecodeShape
+from . import dispatch
 
-# Grid limits shared by CUDA and HIP for the y and z dimensions.
-MAX_GRID_YZ = 65535
 # Two partitions merged within clusters are planned instead of more partitions and the reduce
 # launch from this many workgroups per multiprocessor (measured at 0.97), for partitions of at
 # most CLUSTER_PAIR_MAX_TOKENS (measured at 2048: faster; at 16384: slower).
@@ -23,13 +21,13 @@ CLUSTER_PAIR_MAX_TOKENS = 4096
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    variant: object  # a variants.DecodeVariant or DecodeMmaVariant
+    variant: object  # a catalogue.DecodeVariant or DecodeMmaVariant
     head_chunks: int       # workgroups per KV head (more query rows than the variant's tile)
     partition_size: int    # tokens per partition
     max_partitions: int    # partitions of the longest possible sequence
     max_query_len: int = 1  # new tokens per sequence the grid covers
     # The partitions of each (sequence, KV head, row chunk) run as one thread-block cluster and
-    # merge on chip, with no reduce launch (variants.merges_in_cluster).
+    # merge on chip, with no reduce launch (dispatch.merges_in_cluster).
     cluster_merge: bool = False
 
     @property
@@ -52,9 +50,9 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
               max_query_len: int = 1, residency=None) -> LaunchPlan:
     """max_query_len: the most new tokens of a sequence (1 without query_start_loc).
     residency: variant -> workgroups a multiprocessor holds at once, or None where unknown
-    (cupa.occupancy on the GPU); it decides the wave-quantisation step, skipped without it."""
+    (cupa.gpu.occupancy on the GPU); it decides the wave-quantisation step, skipped without it."""
     rows = shape.group * max_query_len  # query rows per (sequence, KV head)
-    variant = variants.decode_variant(shape.dtype, shape.head_size, rows, arch, shape.kv_format)
+    variant = dispatch.decode_variant(shape.dtype, shape.head_size, rows, arch, shape.kv_format)
     head_chunks = -(-rows // variant.rows)
     capacity = shape.capacity
     if partition_size is None:
@@ -85,7 +83,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                 and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
             pair = _round_up(-(-longest // 2), variant.min_partition)
             if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
-                    and variants.merges_in_cluster(variant, arch, 2)):
+                    and dispatch.merges_in_cluster(variant, arch, 2)):
                 splits = 2
         if splits == 1:
             partition_size = capacity
@@ -109,4 +107,4 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
-                      cluster_merge=variants.merges_in_cluster(variant, arch, max_partitions))
+                      cluster_merge=dispatch.merges_in_cluster(variant, arch, max_partitions))

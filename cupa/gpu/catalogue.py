@@ -1,4 +1,5 @@
-"""The compiled kernel variants: which exist, what they are called, and the source that builds them.
+"""The kernel catalogue: which compiled variants exist, what they are called, and the source that
+builds them. Which variant serves a problem is `cupa.gpu.dispatch`'s business.
 
 Everything that is a compile-time choice lives here; everything else (block size, number of heads,
 GQA ratio and new tokens per sequence within a variant's row tile, partition size, lengths, the
@@ -9,12 +10,13 @@ query dtypes x cache kinds x head sizes x row tiles.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).parent / "kernels"
+from ..problem import FP8_QUERY_DTYPES, SUPPORTED_HEAD_SIZES
+
+KERNEL_DIR = Path(__file__).parent.parent / "kernels"
 
 # Threads per workgroup of every decode kernel (2 wavefronts on CDNA, 4 warps elsewhere).
 THREADS = 128
@@ -25,7 +27,6 @@ DTYPES = {
     "bfloat16": ("bf16", "cupa_bf16"),
     "float32": ("f32", "float"),
 }
-HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 # Query rows one workgroup handles against the KV rows it reads (GQA packing). A row is a (new
 # token, query head) pair of one KV head: the GQA group in plain decode, times the new tokens in
 # multi-token decode. More rows than the largest tile are split into chunks of it across the
@@ -38,9 +39,7 @@ HEAD_TILES = (1, 2, 4, 8)
 #     values); the tensor-core kernels only.
 FP8_CACHE = "fp8"
 FP8_E4M3_NATIVE = "fp8_e4m3"
-FP8_QUERY_DTYPES = ("float16", "bfloat16")
 _CACHE_TYPES = {FP8_CACHE: ("kv8", "cupa_fp8"), FP8_E4M3_NATIVE: ("kv8fn", "cupa_fp8_e4m3")}
-NATIVE_FP8_MIN_SM = 89
 
 
 def head_tile(rows: int) -> int:
@@ -56,7 +55,7 @@ def _cache_type(dtype: str, cache: str | None) -> str:
     return _CACHE_TYPES[cache][1] if cache else DTYPES[dtype][1]
 
 
-def _sm(arch: str) -> int:
+def sm_number(arch: str) -> int:
     """80 for 'sm_80', 90 for 'sm_90a'; 0 for anything else (AMD)."""
     return int(arch[3:].rstrip("a")) if arch.startswith("sm_") else 0
 
@@ -195,80 +194,14 @@ MMA_HEAD_TILES = (8, 16)
 # at head 256 they alone would take 192 registers a thread, so more than 8 rows run the portable
 # kernel there.
 MMA16_HEAD_SIZES = (64, 128)
-MMA_MIN_SM = 80
-# Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
-# in an 8-column tile) leaves the tensor cores far from busy, so this is 1 unless the bench says
-# otherwise.
-MMA_MIN_GROUP = 1
-
-
-def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
-    """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
-    this target."""
-    if os.environ.get("CUPA_KERNEL", "auto") == "portable":
-        return False
-    if _sm(arch) < MMA_MIN_SM:
-        return False
-    if rows > 8 and head_size not in MMA16_HEAD_SIZES:
-        return False
-    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
-
-
-# From sm_90 the reduce is launched as a programmatic dependent of phase 1 (cupa.chained_launch;
-# griddepcontrol in the kernels), so its launch overlaps phase 1's last wave.
-CHAINED_REDUCE_MIN_SM = 90
-
-
-def chains_reduce(arch: str) -> bool:
-    """Whether the reduce on `arch` is launched as a programmatic dependent of phase 1.
-    CUPA_CHAINED_REDUCE=0 in the environment turns it off (ordinary launches)."""
-    if os.environ.get("CUPA_CHAINED_REDUCE", "1") == "0":
-        return False
-    return _sm(arch) >= CHAINED_REDUCE_MIN_SM
-
-
-# From sm_90 the partitions of a (sequence, KV head) may run as one thread-block cluster and
-# merge through distributed shared memory instead of a reduce launch (merge_cluster in
-# decode_mma.cu), for the tensor-core kernels and up to MAX_CLUSTER partitions. The planner uses
-# clusters of 2 (16 x 16384: 263.0 -> 257.6 us). Larger ones measured level or slower: a
-# 16-block cluster at 1 x 4096 16.7 -> 17.1 us, and clusters of 4 at 8 x 4096 50.5 -> 69.4 us,
-# since only 62 such clusters (248 blocks) are resident at once on the H200 against 264 blocks
-# without clusters, so 64 of them took two waves (docs/perf.md v14).
-CLUSTER_MERGE_MIN_SM = 90
 MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes
-PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
-MERGE_FORMS = ("auto", "cluster", "reduce")
-
-
-def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
-    """Whether a launch of `variant` with `max_partitions` partitions merges them within
-    clusters. CUPA_MERGE in the environment: auto (the planner's rule), cluster (wherever the
-    kernel can, up to MAX_CLUSTER) or reduce (never); for tests and benchmarks."""
-    form = os.environ.get("CUPA_MERGE", "auto")
-    if form not in MERGE_FORMS:
-        raise ValueError(f"CUPA_MERGE: one of {MERGE_FORMS}, got {form!r}")
-    largest = {"auto": PLANNED_CLUSTER, "cluster": MAX_CLUSTER, "reduce": 1}[form]
-    return (isinstance(variant, DecodeMmaVariant) and _sm(arch) >= CLUSTER_MERGE_MIN_SM
-            and 1 < max_partitions <= largest)
-
-
-def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
-                   kv_format: str | None = None):
-    """The phase-1 variant for a problem on a target: `rows` = query rows per KV head (GQA group
-    x new tokens per sequence), `kv_format` = None or an fp8 format name. CUPA_KERNEL=portable
-    in the environment forces the portable kernel (for tests and benchmarks)."""
-    cache = None if kv_format is None else FP8_CACHE
-    if mma_eligible(dtype, head_size, rows, arch):
-        if kv_format == FP8_E4M3_NATIVE and _sm(arch) >= NATIVE_FP8_MIN_SM:
-            cache = FP8_E4M3_NATIVE
-        return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
-    return DecodeVariant(dtype, head_size, head_tile(rows), cache)
 
 
 def all_decode_variants() -> list[DecodeVariant]:
-    plain = [DecodeVariant(dtype, d, h) for dtype in DTYPES for d in HEAD_SIZES for h in HEAD_TILES]
+    plain = [DecodeVariant(dtype, d, h) for dtype in DTYPES for d in SUPPORTED_HEAD_SIZES
+             for h in HEAD_TILES]
     fp8 = [DecodeVariant(dtype, d, h, FP8_CACHE) for dtype in FP8_QUERY_DTYPES
-           for d in HEAD_SIZES for h in HEAD_TILES]
+           for d in SUPPORTED_HEAD_SIZES for h in HEAD_TILES]
     return plain + fp8
 
 

@@ -9,6 +9,11 @@ Each pair is timed back to back on the same device with the same Timer as the ma
 
 from __future__ import annotations
 
+from ..api import decode
+from ..fp8 import quantize_fp8
+from .harness import Timer, make_problem
+from .peers import flashinfer_peer, prepare_peer
+
 WINDOW = 4096
 WINDOW_CONTEXT = 32768
 WINDOW_BATCHES = (1, 8)
@@ -19,7 +24,6 @@ FP8_FORMAT = "fp8_e4m3"
 
 
 def _problem(cupy, rng, batch, seq_len, args, query_len=1):
-    from .bench import make_problem
     query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args)
     if query_len > 1:
         query = cupy.random.standard_normal((batch * query_len,) + query.shape[1:],
@@ -28,7 +32,6 @@ def _problem(cupy, rng, batch, seq_len, args, query_len=1):
 
 
 def _time_decode(timer, cupy, problem, **options):
-    from . import decode
     query, key, value, tables, lens, _ = problem
     out = cupy.empty_like(query)
     return timer.median_us(lambda: decode(query, key, value, tables, lens, out=out, **options))
@@ -79,8 +82,6 @@ def fp8_rows(cupy, timer, rng, args):
     """fp8 against float16, also timed under the other L2 flush: the write flush leaves L2
     full of dirty lines whose write-back (~9 us on the H200) lands in every timed launch, the
     same for both caches, which weighs on the ratio (docs/perf.md v14)."""
-    from .bench import Timer
-    from .fp8 import quantize_fp8
     other_flush = "read" if timer.flush_mode == "write" else "write"
     timers = (timer, Timer(cupy, timer.iters, other_flush))
     rows = []
@@ -113,8 +114,7 @@ def fp8_rows(cupy, timer, rng, args):
 
 def _flashinfer_fp8(cupy, timer, query, key8, value8, tables_np, seq_len, scale, args):
     """FlashInfer's paged decode on the same fp8 pages, if it runs."""
-    from .bench import _peer, flashinfer_peer
-    launch = _peer("FlashInfer fp8", flashinfer_peer, cupy, query, key8, value8, tables_np,
+    launch = prepare_peer("FlashInfer fp8", flashinfer_peer, cupy, query, key8, value8, tables_np,
                    seq_len, args, scale)
     return timer.median_us(launch) if launch is not None else None
 

@@ -1,0 +1,99 @@
+"""Dispatch policy: which kernel variant serves a problem on a target, and how its partitions
+are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; this says when
+each is used.
+
+The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_CHAINED_REDUCE) are for tests and
+benchmarks. They are read once, at first use; code that changes them within a process calls
+`reload_switches()` afterwards (plans made before keep what they were made with).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from .catalogue import (FP8_CACHE, FP8_E4M3_NATIVE, MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES,
+                        MMA_HEAD_SIZES, DecodeMmaVariant, DecodeVariant, head_tile, sm_number)
+
+MMA_MIN_SM = 80
+# Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
+# in an 8-column tile) leaves the tensor cores far from busy, so this is 1 unless the bench says
+# otherwise.
+MMA_MIN_GROUP = 1
+NATIVE_FP8_MIN_SM = 89  # cvt e4m3x2 (hardware fp8 widening)
+# From sm_90 the reduce is launched as a programmatic dependent of phase 1 (cupa.gpu.driver;
+# griddepcontrol in the kernels), so its launch overlaps phase 1's last wave.
+CHAINED_REDUCE_MIN_SM = 90
+# From sm_90 the partitions of a (sequence, KV head) may run as one thread-block cluster and
+# merge through distributed shared memory instead of a reduce launch (merge_cluster in
+# decode_mma.cu), for the tensor-core kernels and up to MAX_CLUSTER partitions. The planner uses
+# clusters of 2 (16 x 16384: 263.0 -> 257.6 us). Larger ones measured level or slower: a
+# 16-block cluster at 1 x 4096 16.7 -> 17.1 us, and clusters of 4 at 8 x 4096 50.5 -> 69.4 us,
+# since only 62 such clusters (248 blocks) are resident at once on the H200 against 264 blocks
+# without clusters, so 64 of them took two waves (docs/perf-log.md v14).
+CLUSTER_MERGE_MIN_SM = 90
+PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
+KERNEL_FORMS = ("auto", "portable")
+MERGE_FORMS = ("auto", "cluster", "reduce")
+
+
+@dataclass(frozen=True)
+class Switches:
+    kernel: str = "auto"          # CUPA_KERNEL: auto, or portable (never the tensor cores)
+    merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce
+    chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
+
+
+@functools.lru_cache(maxsize=1)
+def switches() -> Switches:
+    """The environment switches, read once (see the module docstring)."""
+    kernel = os.environ.get("CUPA_KERNEL", "auto")
+    if kernel not in KERNEL_FORMS:
+        raise ValueError(f"CUPA_KERNEL: one of {KERNEL_FORMS}, got {kernel!r}")
+    merge = os.environ.get("CUPA_MERGE", "auto")
+    if merge not in MERGE_FORMS:
+        raise ValueError(f"CUPA_MERGE: one of {MERGE_FORMS}, got {merge!r}")
+    return Switches(kernel=kernel, merge=merge,
+                    chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0")
+
+
+def reload_switches() -> None:
+    """Read the environment switches again at their next use."""
+    switches.cache_clear()
+
+
+def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
+    """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
+    this target."""
+    if switches().kernel == "portable" or sm_number(arch) < MMA_MIN_SM:
+        return False
+    if rows > 8 and head_size not in MMA16_HEAD_SIZES:
+        return False
+    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
+
+
+def chains_reduce(arch: str) -> bool:
+    """Whether the reduce on `arch` is launched as a programmatic dependent of phase 1."""
+    return switches().chained_reduce and sm_number(arch) >= CHAINED_REDUCE_MIN_SM
+
+
+def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
+    """Whether a launch of `variant` with `max_partitions` partitions merges them within
+    clusters: the planner's rule (auto), wherever the kernel can up to MAX_CLUSTER (cluster) or
+    never (reduce)."""
+    largest = {"auto": PLANNED_CLUSTER, "cluster": MAX_CLUSTER, "reduce": 1}[switches().merge]
+    return (isinstance(variant, DecodeMmaVariant) and sm_number(arch) >= CLUSTER_MERGE_MIN_SM
+            and 1 < max_partitions <= largest)
+
+
+def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
+                   kv_format: str | None = None):
+    """The phase-1 variant for a problem on a target: `rows` = query rows per KV head (GQA group
+    x new tokens per sequence), `kv_format` = None or an fp8 format name."""
+    cache = None if kv_format is None else FP8_CACHE
+    if mma_eligible(dtype, head_size, rows, arch):
+        if kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM:
+            cache = FP8_E4M3_NATIVE
+        return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
+    return DecodeVariant(dtype, head_size, head_tile(rows), cache)

@@ -1,0 +1,178 @@
+"""Kernel launches through the GPU driver's own entry points (ctypes), with argument blocks packed
+once.
+
+Why not cupy's `RawKernel.__call__`: it converts every argument on every call, ~9-15 us for a
+decode kernel's 27 arguments on an H200 host, which is most of a short decode. A
+`PreparedLaunch` builds the argument block once; a call rewrites the pointer arguments (one
+slice assignment) and makes one ctypes call. The same handle cupy compiled is launched:
+
+- CUDA: `cuLaunchKernel` from libcuda, and `cuLaunchKernelEx` for launches with attributes (sm_90:
+  the reduce as a programmatic dependent of phase 1, which may start before phase 1 drains, and
+  phase 1 as thread-block clusters merging in distributed shared memory; docs/perf-log.md v10,
+  v14). Graph capture records these launches like any other.
+- HIP: `hipModuleLaunchKernel` from libamdhip64, whose signature is cuLaunchKernel's (written for
+  ROCm, not run on AMD hardware). HIP has no launch attributes here: the planner never asks for
+  clusters or chained launches on AMD targets.
+
+Where the library or an entry point is missing, the launch falls back to cupy's call, and
+`CUPA_LAUNCH=cupy` (read once) forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+PORTABLE_CLUSTER = 8  # the largest cluster every sm_90 part runs without opting in
+LAUNCH_FORMS = ("driver", "cupy")
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attributes", ctypes.POINTER(_LaunchAttribute)), ("count", ctypes.c_uint)]
+
+
+_DIMS = [ctypes.c_uint] * 6
+_PLAIN_ARGTYPES = [ctypes.c_void_p, *_DIMS, ctypes.c_uint, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p]
+
+
+class Driver:
+    """The launch entry points of the loaded driver library (CUDA or HIP)."""
+
+    def __init__(self, library, plain, extended, set_attribute):
+        self.library = library
+        self.plain = plain            # cuLaunchKernel / hipModuleLaunchKernel
+        self.extended = extended      # cuLaunchKernelEx, or None (HIP, driver < 12.0)
+        self.set_attribute = set_attribute
+
+
+@functools.lru_cache(maxsize=None)
+def driver(is_hip: bool) -> Driver | None:
+    """The driver of this platform, or None where it cannot be loaded (or CUPA_LAUNCH=cupy)."""
+    form = os.environ.get("CUPA_LAUNCH", "driver")
+    if form not in LAUNCH_FORMS:
+        raise ValueError(f"CUPA_LAUNCH: one of {LAUNCH_FORMS}, got {form!r}")
+    if form == "cupy":
+        return None
+    names = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6") if is_hip \
+        else ("libcuda.so.1", "libcuda.so")
+    library = None
+    for name in names:
+        try:
+            library = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if library is None:
+        return None
+    plain = getattr(library, "hipModuleLaunchKernel" if is_hip else "cuLaunchKernel", None)
+    if plain is None:
+        return None
+    plain.restype, plain.argtypes = ctypes.c_int, _PLAIN_ARGTYPES
+    extended = set_attribute = None
+    if not is_hip:
+        extended = getattr(library, "cuLaunchKernelEx", None)
+        if extended is not None:
+            extended.restype = ctypes.c_int
+            extended.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p]
+        set_attribute = library.cuFuncSetAttribute
+        set_attribute.restype = ctypes.c_int
+        set_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return Driver(library, plain, extended, set_attribute)
+
+
+def _scalar(value):
+    """A ctypes copy of one scalar kernel argument (cupa passes np.int32 / np.int64 /
+    np.float32 scalars; pass np types, since cupy does not type-check its arguments either)."""
+    if isinstance(value, np.int32):
+        return ctypes.c_int32(int(value))
+    if isinstance(value, np.int64):
+        return ctypes.c_int64(int(value))
+    if isinstance(value, np.float32):
+        return ctypes.c_float(float(value))
+    raise TypeError(f"kernel launch: unsupported scalar argument {type(value).__name__} "
+                    f"(pass np.int32, np.int64 or np.float32)")
+
+
+class PreparedLaunch:
+    """One kernel launch whose arguments are `pointers` device pointers followed by `scalars`,
+    packed once. Calling it with the pointers (ints, 0 for null) and a stream launches.
+
+    form: "plain", "dependent" (may start before the stream's previous kernel finishes; the
+    kernel waits with griddepcontrol.wait) or "cluster" (thread-block clusters of `cluster`).
+    """
+
+    def __init__(self, kernel, grid, block, *, pointers: int, scalars: tuple, is_hip: bool,
+                 shared_bytes: int = 0, form: str = "plain", cluster: tuple | None = None):
+        self.kernel, self.grid, self.block = kernel, tuple(grid), tuple(block)
+        self.shared_bytes, self.form = int(shared_bytes), form
+        self._scalar_values = scalars
+        self._driver = driver(is_hip)
+        if form != "plain" and (self._driver is None or self._driver.extended is None):
+            raise RuntimeError(f"{form} launch: the CUDA driver has no cuLaunchKernelEx (driver "
+                               f">= 12.0 needed); set CUPA_MERGE=reduce / CUPA_CHAINED_REDUCE=0")
+        self.pointers = (ctypes.c_uint64 * pointers)()
+        self._scalars = [_scalar(v) for v in scalars]
+        base = ctypes.addressof(self.pointers)
+        addresses = [base + 8 * i for i in range(pointers)]
+        addresses += [ctypes.addressof(s) for s in self._scalars]
+        self._params = (ctypes.c_void_p * len(addresses))(*addresses)
+        self._handle = kernel.kernel.ptr
+        if form == "cluster":
+            self._opt_in_cluster(cluster)
+        if form != "plain":
+            attribute = _LaunchAttribute(id=_CLUSTER_DIMENSION if form == "cluster"
+                                         else _PROGRAMMATIC_STREAM_SERIALIZATION)
+            values = cluster if form == "cluster" else (1,)
+            for i, v in enumerate(values):
+                attribute.value[i] = v
+            self._attributes = (_LaunchAttribute * 1)(attribute)
+            self._config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid),
+                                         block=(ctypes.c_uint * 3)(*self.block),
+                                         shared_bytes=self.shared_bytes, stream=None,
+                                         attributes=self._attributes, count=1)
+            self._config_ref = ctypes.byref(self._config)
+
+    def _opt_in_cluster(self, cluster):
+        if cluster[0] * cluster[1] * cluster[2] > PORTABLE_CLUSTER:
+            status = self._driver.set_attribute(self._handle, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            if status != 0:
+                raise RuntimeError(f"cuFuncSetAttribute failed (CUresult {status}) for "
+                                   f"{self.kernel.name}")
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        self.pointers[:] = pointers
+        if self._driver is None:
+            self._cupy_launch(pointers)
+            return
+        if self.form == "plain":
+            grid, block = self.grid, self.block
+            status = self._driver.plain(self._handle, grid[0], grid[1], grid[2], block[0],
+                                        block[1], block[2], self.shared_bytes, stream_ptr,
+                                        self._params, None)
+        else:
+            self._config.stream = stream_ptr
+            status = self._driver.extended(self._config_ref, self._handle, self._params, None)
+        if status != 0:
+            raise RuntimeError(f"kernel launch failed (driver status {status}) for "
+                               f"{self.kernel.name}, grid {self.grid}, block {self.block}, "
+                               f"{self.shared_bytes} bytes of dynamic shared memory")
+
+    def _cupy_launch(self, pointers):
+        """cupy's own launch, on the current stream (the caller's `with stream:`)."""
+        args = tuple(np.uint64(p) for p in pointers) + tuple(self._scalar_values)
+        self.kernel(self.grid, self.block, args, shared_mem=self.shared_bytes)

@@ -1,0 +1,161 @@
+"""The only place cupa launches kernels: a decode plan's phase 1 and reduce, and the cache write.
+
+Launches are prepared once (kernels looked up, grids fixed, scalar arguments packed;
+`cupa.gpu.driver.PreparedLaunch`) and a call passes only the device pointers, so nothing here
+reads device memory back or allocates: a call only enqueues work on the stream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..arrays import cupy_module
+from ..problem import DecodeShape
+from . import catalogue, dispatch
+from .compiler import kernels as compiled_kernels
+from .device import device_info
+from .driver import PreparedLaunch, driver
+from .planner import LaunchPlan
+
+# Pointer arguments of the phase-1 kernel, in order (CUPA_PARTITION_PARAMS in decode_common.cuh).
+PARTITION_POINTERS = ("out", "lse", "part_acc", "part_max", "part_sum", "query", "key_cache",
+                      "value_cache", "kv_scales", "block_tables", "seq_lens", "query_start_loc",
+                      "alibi_slopes", "sinks")
+# The reduce kernel's pointer arguments, as indices into PARTITION_POINTERS.
+REDUCE_POINTERS = tuple(PARTITION_POINTERS.index(name) for name in (
+    "out", "lse", "part_acc", "part_max", "part_sum", "seq_lens", "query_start_loc", "sinks"))
+WORKSPACE_ALIGNMENT = 256  # bytes between the partial arrays of one workspace allocation
+
+
+def workspace_bytes(plan: LaunchPlan, shape: DecodeShape) -> tuple[int, int, int]:
+    """(total bytes, offset of part_max, offset of part_sum) of the phase-1 partials: float32
+    accumulators [num_tokens, num_heads, max_partitions, head_size], then the running max (log2
+    domain) and sum per (row, partition). Zero bytes where the reduce is not launched (one
+    partition, or clusters merging on chip)."""
+    if not plan.reduce_launch:
+        return 0, 0, 0
+    rows = shape.num_tokens * shape.num_heads * plan.max_partitions
+
+    def aligned(n):
+        return -(-n // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+
+    acc = aligned(rows * shape.head_size * 4)
+    stats = aligned(rows * 4)
+    return acc + 2 * stats, acc, acc + stats
+
+
+def allocate_workspace(plan: LaunchPlan, shape: DecodeShape):
+    """One device allocation for all partials (a cupy MemoryPointer), or None when unneeded.
+    Allocated on the current stream: cupy's pool hands it on only to work ordered after."""
+    total, _, _ = workspace_bytes(plan, shape)
+    return cupy_module().cuda.alloc(total) if total else None
+
+
+@functools.lru_cache(maxsize=64)
+def _device_factors(raw: bytes, device_index: int):
+    """One device copy per set of fp8 factors: a decode loop over the layers of a model reuses
+    it instead of uploading the same few floats on every call. Read-only for the kernels."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device_index):
+        return cupy.asarray(np.frombuffer(raw, dtype=np.float32))
+
+
+def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.ndarray,
+                     device_index: int):
+    """The kernels' fp8 factors on the device, float32 [2 * num_kv_heads] (K heads, then V
+    heads), or None for a plain cache. A software-widening kernel sees a code's value times
+    2^(bias - 15), so that power of two is folded in here (catalogue.fp8_value_power)."""
+    if fmt is None:
+        return None
+    power = np.float32(catalogue.fp8_value_power(plan.variant, fmt.exponent_bias))
+    factors = np.concatenate([k_scale * power, v_scale * power]).astype(np.float32)
+    return _device_factors(factors.tobytes(), device_index)
+
+
+class DecodeLaunch:
+    """A plan's launches, prepared once: phase 1, then the reduce where the partitions neither
+    are one nor merge within clusters. Call it with the 14 pointers of PARTITION_POINTERS."""
+
+    def __init__(self, plan: LaunchPlan, shape: DecodeShape, device_index: int):
+        info = device_info(device_index)
+        is_hip = info.target.is_hip
+        compiled = compiled_kernels(plan.variant, device_index)
+        i32, f32 = np.int32, np.float32
+        grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
+        scalars = (f32(shape.scale), f32(shape.logits_soft_cap), i32(shape.sliding_window),
+                   i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
+                   i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
+                   i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
+                   i32(plan.cluster_merge))
+        block = (catalogue.THREADS, 1, 1)
+        self.empty = shape.num_seqs == 0
+        self.partition = PreparedLaunch(
+            compiled[plan.variant.partition_name], grid, block,
+            pointers=len(PARTITION_POINTERS), scalars=scalars, is_hip=is_hip,
+            shared_bytes=plan.variant.shared_bytes,
+            form="cluster" if plan.cluster_merge else "plain",
+            cluster=(1, plan.max_partitions, 1) if plan.cluster_merge else None)
+        self.reduce = None
+        if plan.reduce_launch:
+            chained = dispatch.chains_reduce(info.target.arch) and _has_extended(is_hip)
+            self.reduce = PreparedLaunch(
+                compiled[plan.variant.reduce_name],
+                (shape.num_heads, plan.max_query_len, shape.num_seqs), block,
+                pointers=len(REDUCE_POINTERS), is_hip=is_hip,
+                scalars=(i32(shape.sliding_window), i32(shape.num_tokens), i32(shape.num_heads),
+                         i32(shape.head_size), i32(plan.partition_size),
+                         i32(plan.max_partitions), i32(shape.capacity)),
+                form="dependent" if chained else "plain")
+
+    def __call__(self, pointers: tuple, stream_ptr: int) -> None:
+        if self.empty:
+            return
+        self.partition(pointers, stream_ptr)
+        if self.reduce is not None:
+            self.reduce(tuple(pointers[i] for i in REDUCE_POINTERS), stream_ptr)
+
+
+def _has_extended(is_hip: bool) -> bool:
+    loaded = driver(is_hip)
+    return loaded is not None and loaded.extended is not None
+
+
+class CacheWriteLaunch:
+    """The KV-cache write of one cache (all its layers share the kernel and block): one thread
+    block per token row, one thread per 16-byte vector of the cache row. Call it with the
+    pointers of (key rows, value rows, key cache layer, value cache layer, int64 slots), the
+    rows' strides and the token count."""
+
+    POINTERS = 5
+
+    def __init__(self, dtype: str, kv_format: str | None, *, num_kv_heads: int, head_size: int,
+                 block_size: int, num_blocks: int, storage_itemsize: int, device_index: int):
+        self.variant = catalogue.CacheWriteVariant(dtype, kv_format)
+        self.kernel = compiled_kernels(self.variant, device_index)[self.variant.write_name]
+        self.is_hip = device_info(device_index).target.is_hip
+        vectors = 2 * num_kv_heads * head_size * storage_itemsize // 16
+        self.threads = min(catalogue.THREADS, -(-vectors // 32) * 32)
+        self.fixed = (np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size),
+                      np.int64(num_blocks * block_size))
+        self._prepared: dict = {}
+
+    def __call__(self, pointers: tuple, row_strides: tuple, num_tokens: int, stream_ptr: int,
+                 fp8_tail: tuple = ()) -> None:
+        """row_strides: (key token, key head, value token, value head) in elements; fp8_tail:
+        the pointers of the two inverse-scale arrays and the format id (fp8 caches)."""
+        key = (num_tokens, row_strides)
+        launch = self._prepared.get(key)
+        if launch is None:
+            if len(self._prepared) > 256:  # a bounded memo of (token count, strides)
+                self._prepared.clear()
+            scalars = self.fixed + tuple(np.int64(s) for s in row_strides)
+            if fp8_tail:
+                # The inverse scales are pointers that sit after the scalars; they are fixed
+                # for the cache's life, so they are packed as 64-bit values here.
+                scalars += (np.int64(fp8_tail[0]), np.int64(fp8_tail[1]), np.int32(fp8_tail[2]))
+            launch = self._prepared[key] = PreparedLaunch(
+                self.kernel, (num_tokens, 1, 1), (self.threads, 1, 1), pointers=self.POINTERS,
+                scalars=scalars, is_hip=self.is_hip)
+        launch(pointers, stream_ptr)

@@ -1,0 +1,94 @@
+"""What a decode problem is: its limits, its shape, its options and its arrays.
+
+Every limit of the public API lives here once; validation, the kernel catalogue and the tests
+read them from this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+# Query / cache dtypes and the numpy type that stores each (bfloat16 through ml_dtypes).
+STORAGE_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                  "float32": np.dtype(np.float32)}
+SUPPORTED_DTYPES = tuple(STORAGE_DTYPES)
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+# At most 32: the tensor-core kernels' copies rely on it (KvRing::MAX_BLOCK_SIZE in decode_mma.cu).
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+# Query dtypes an fp8 cache serves (the tensor cores and the kernels' fp8 variants).
+FP8_QUERY_DTYPES = ("float16", "bfloat16")
+MAX_QUERY_LEN = 16  # new tokens per sequence in one call (MAX_QUERY_LEN in decode_common.cuh)
+# Grid limit shared by CUDA and HIP for the y and z dimensions: partitions and sequences.
+MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Everything about one decode call that does not depend on array contents."""
+
+    num_seqs: int
+    num_tokens: int  # query rows: num_seqs, or query_start_loc[-1] in multi-token decode
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    dtype: str
+    scale: float
+    has_alibi: bool
+    sliding_window: int = 0      # 0: attend to every position
+    logits_soft_cap: float = 0.0  # 0: no soft-capping
+    has_sinks: bool = False
+    multi_token: bool = False  # query_start_loc given
+    kv_format: str | None = None  # None: the cache holds the query dtype; else an fp8 format
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1 for MHA, num_heads for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens a sequence can hold with this block table width."""
+        return self.max_blocks_per_seq * self.block_size
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a plan fixes besides shapes: scalars and the presence of the optional arrays."""
+
+    scale: float | None = None
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    kv_format: str | None = None
+    return_lse: bool = False
+
+
+@dataclass
+class DecodeInputs:
+    """The arrays of one call, as the backend's kind (cupy or numpy)."""
+
+    query: object
+    key_cache: object
+    value_cache: object
+    block_tables: object
+    seq_lens: object
+    query_start_loc: object = None
+    alibi_slopes: object = None
+    sinks: object = None
+
+    def as_tuple(self) -> tuple:
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.alibi_slopes, self.sinks)
+
+
+def default_max_query_len(shape: DecodeShape) -> int:
+    """Most new tokens a sequence can have when query_start_loc lives on the device: every
+    sequence has at least one, so none has more than num_tokens - num_seqs + 1."""
+    if not shape.multi_token:
+        return 1
+    return max(1, min(MAX_QUERY_LEN, shape.num_tokens - shape.num_seqs + 1))
