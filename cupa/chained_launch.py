@@ -3,14 +3,14 @@ of phase 1, and phase 1 as thread-block clusters.
 
 The reduce pass follows phase 1 on the same stream. Launched the ordinary way it starts only
 after phase 1 has drained, and that gap plus its own setup cost ~4-5 us a call on the H200
-(docs/perf.md, v10) - a quarter of a 1 x 4096 decode. With the launch attribute "programmatic
+(docs/perf-log.md, v10) - a quarter of a 1 x 4096 decode. With the launch attribute "programmatic
 stream serialization" the reduce's workgroups may start as soon as every phase-1 workgroup has
 executed `griddepcontrol.launch_dependents`; each waits in `griddepcontrol.wait` (after its own
 setup) until phase 1 has completed and its writes are visible (decode_common.cuh).
 
 With the "cluster dimension" attribute, the partitions of a (sequence, KV head) run as one
 cluster and merge through distributed shared memory, with no reduce at all (merge_cluster in
-decode_mma.cu; docs/perf.md v14).
+decode_mma.cu; docs/perf-log.md v14).
 
 cupy has no launch with attributes, so this calls the driver's cuLaunchKernelEx through ctypes
 with the kernel handle cupy compiled; graph capture records these launches like any other.

@@ -142,7 +142,7 @@ class DecodeMmaVariant(_TwoPhase):
     source_file = "decode_mma.cu"
     # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
     # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
-    # measured slower (docs/perf.md, v3-v4), and so was filling the 3 slots the fp8 and head-64
+    # measured slower (docs/perf-log.md, v3-v4), and so was filling the 3 slots the fp8 and head-64
     # kernels have (v9): each partition's fixed cost and the reduce pass outweigh the better
     # balance. The residency itself (cupa.occupancy) only decides wave quantisation (plan.py).
     min_partition = 256
@@ -233,7 +233,7 @@ def chains_reduce(arch: str) -> bool:
 # clusters of 2 (16 x 16384: 263.0 -> 257.6 us). Larger ones measured level or slower: a
 # 16-block cluster at 1 x 4096 16.7 -> 17.1 us, and clusters of 4 at 8 x 4096 50.5 -> 69.4 us,
 # since only 62 such clusters (248 blocks) are resident at once on the H200 against 264 blocks
-# without clusters, so 64 of them took two waves (docs/perf.md v14).
+# without clusters, so 64 of them took two waves (docs/perf-log.md v14).
 CLUSTER_MERGE_MIN_SM = 90
 MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes
 PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
