@@ -81,7 +81,7 @@ def multi_token_rows(cupy, timer, rng, args):
 def fp8_rows(cupy, timer, rng, args):
     """fp8 against float16, also timed under the other L2 flush: the write flush leaves L2
     full of dirty lines whose write-back (~9 us on the H200) lands in every timed launch, the
-    same for both caches, which weighs on the ratio (docs/perf.md v14)."""
+    same for both caches, which weighs on the ratio (docs/perf-log.md v14)."""
     other_flush = "read" if timer.flush_mode == "write" else "write"
     timers = (timer, Timer(cupy, timer.iters, other_flush))
     rows = []

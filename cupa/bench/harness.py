@@ -39,7 +39,7 @@ class Timer:
     flush="write" (default, the usual `cache.zero_()` idiom and every table in docs/performance.md)
     fills the buffer, which leaves L2 full of dirty lines written back during the timed launch;
     flush="read" reads it, leaving clean lines. The two differ by a few percent, mostly for the
-    peers (docs/perf.md, v7).
+    peers (docs/perf-log.md, v7).
     The flush also hides the host-side cost of enqueueing the launch: the host records the start
     event and launches while the GPU is still busy with the flush (after the read flush, with a
     0.5 ms hold: the read alone is shorter than an eager call's host time)."""

@@ -141,7 +141,7 @@ class DecodeMmaVariant(_TwoPhase):
     source_file = "decode_mma.cu"
     # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
     # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
-    # measured slower (docs/perf.md, v3-v4), and so was filling the 3 slots the fp8 and head-64
+    # measured slower (docs/perf-log.md, v3-v4), and so was filling the 3 slots the fp8 and head-64
     # kernels have (v9): each partition's fixed cost and the reduce pass outweigh the better
     # balance. The residency itself (cupa.occupancy) only decides wave quantisation (plan.py).
     min_partition = 256

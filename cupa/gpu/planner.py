@@ -63,7 +63,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         # The variant says how short a partition may be (below that the fixed cost of a
         # workgroup outweighs the parallelism) and how many workgroups a multiprocessor should
         # get: long partitions at that density beat shorter ones filling every slot (sweeps in
-        # docs/perf.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
+        # docs/perf-log.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
         # target is not worth a reduce.
         wanted = variant.workgroups_per_sm * multiprocessors
         splits = max(1, round(wanted / max(workgroups, 1)))
@@ -77,8 +77,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         # launch for short one-token launches once two give about one workgroup per
         # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
         # pairs lose bandwidth with half the workgroups (8 x 32768: 258.1 -> 266.9 us), and so
-        # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us); docs/perf.md
-        # v14.
+        # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us);
+        # docs/perf-log.md v14.
         if (splits > 2 and variant.rows == 8
                 and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
             pair = _round_up(-(-longest // 2), variant.min_partition)

@@ -238,7 +238,7 @@ CUPA_FN void allow_dependent_grid() {
 // max, sum and partial output for all its partitions are independent and issued together; one
 // barrier and a merge of NWARPS rows through shared memory finish the row. (The first form
 // reduced max and sum across the workgroup before reading the columns: ~5 us a call,
-// docs/perf.md v10.)
+// docs/perf-log.md v10.)
 template <typename T>
 CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
                            const float* __restrict__ part_acc, const float* __restrict__ part_max,

@@ -84,7 +84,7 @@ template <> struct MmaOp<cupa_bf16> {
 // launch: every workgroup with work leaves its rows' max, sum and unnormalised output in its own
 // shared memory, and after a cluster barrier each of them merges a slice of the rows' columns
 // from all of them. The reduce launch measured 2.7-4.4 us a call even when chained, and a merge
-// through global memory by the last workgroup was no cheaper (docs/perf.md v14); the cluster
+// through global memory by the last workgroup was no cheaper (docs/perf-log.md v14); the cluster
 // barrier and the shared-memory reads stay on chip. Workgroups without work exit at once:
 // blocks that exited count as arrived at the barrier (checked on the H200).
 constexpr int MAX_CLUSTER = 16;  // partitions a cluster merges (the non-portable sm_90 limit)
@@ -308,7 +308,7 @@ struct KvRing {
     // at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and softmax
     // reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit step's
     // work for half the bytes), else one. (At head 64 the larger ring cost the fp8 kernel its
-    // fifth workgroup per multiprocessor: slower where the grid needed them, docs/perf.md v12.)
+    // fifth workgroup per multiprocessor: slower where the grid needed them, docs/perf-log.md v12.)
     static constexpr int WARP_STEPS = sizeof(C) == 1 && D == 128 ? 2 : 1;
     static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
     static constexpr int ROW_BYTES = D * (int)sizeof(C);
@@ -473,7 +473,7 @@ struct KvStream {
 // start of its K/V stream. Returns false when the workgroup has no work. (Requesting the first
 // block ids before the sequence's length was tried: level where every workgroup works, and
 // workgroups with no work, such as those before a sliding window, then had to wait for ids
-// they never used; docs/perf.md v13.)
+// they never used; docs/perf-log.md v13.)
 template <typename T, typename C, int ROWS, int D>
 CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D>& kv, unsigned char* ring,
                           CUPA_PARTITION_PARAMS(T, C)) {
@@ -530,7 +530,7 @@ template <typename C> struct Frag {
 // in both formats); NaN codes come out finite (only a NaN input writes them). Three integer
 // instructions a pair. OCP e4m3fn on sm_89+ takes the hardware conversion instead: exact values,
 // one instruction, and faster on the H200 than the software path or a mix of the two (K by one,
-// V by the other), docs/perf.md v15. variants.fp8_value_power tells the host which is which.
+// V by the other), docs/perf-log.md v15. variants.fp8_value_power tells the host which is which.
 template <int LO, int HI>
 CUPA_FN u32 fp8_pair_software(u32 w) {
     u32 y;
@@ -895,7 +895,7 @@ CUPA_FN void decode_partition_mma8(
     // whose fragments are in registers by then). Float16 at head 128: 0.4-4% faster on the
     // bench shapes (the most at 1 x 4096), 0.4% slower at 256 x 2048. fp8 (two steps a warp:
     // 208 instead of 146 registers) was level to 2% slower and head 256 (V after QK) spills, so
-    // those take each chunk's stage and fragments at its top (docs/perf.md v13).
+    // those take each chunk's stage and fragments at its top (docs/perf-log.md v13).
     constexpr bool PIPELINED = sizeof(C) == 2 && !V_LATE;
     int r0[WS];  // this warp's WS steps: rows r0[u] .. r0[u] + 15 of a stage
 #pragma unroll
