@@ -15,7 +15,7 @@ shift || true
 if [ "$what" = tests ] || [ "$what" = all ]; then
   shards=8
   for i in $(seq 0 $((shards - 1))); do
-    OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 480 python3 -m pytest -q -p no:cacheprovider \
+    CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 480 python3 -m pytest -q -p no:cacheprovider \
       -k "gpu or hf_parity" --shard "$i/$shards" "$@" tests > "$OUT/gpu_tests_$i.log" 2>&1 &
   done
   wait

@@ -1,16 +1,13 @@
-"""Host (Python) cost of one `cupa.decode` / `DecodePlan.run` call on the GPU.
+"""Host (Python) cost per call of cupa's entry points against the bare-launch floor L
+(cupa.bench.host, the figures `python -m cupa bench` records as host_us), and optionally a
+cProfile of `cupa.decode` on a bench problem.
 
-Calls are enqueued back to back without synchronising, so when the host is slower than the GPU
-the time per call is the host's. `--profile` adds a cProfile of `cupa.decode` (top entries by
-cumulative time).
-
-    python3 tools/host_overhead.py [--batch 8 --seq-len 4096] [--profile]
+    python3 tools/host_overhead.py [--profile --batch 8 --seq-len 4096]
 """
 import argparse
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupa  # noqa: E402
+from cupa.bench.host import host_costs  # noqa: E402
 from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
-
-
-def per_call_us(cupy, call, calls):
-    cupy.cuda.Device().synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    cupy.cuda.Device().synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main():
@@ -36,32 +25,27 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=4096)
     add_problem_arguments(p)
-    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--calls", type=int, default=300)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     import cupy
-    rng = np.random.default_rng(0)
-    query, key, value, tables, lens, options = decode_problem(cupy, rng, args.batch,
-                                                              args.seq_len, args)
-    out = cupy.empty_like(query)
-    plan = cupa.plan_decode(query, key, value, tables, lens, **options)
-    run_options = {k: options[k] for k in ("query_start_loc",) if k in options}
-    calls = {"cupa.decode": lambda: cupa.decode(query, key, value, tables, lens, out=out,
-                                                **options),
-             "DecodePlan.run": lambda: plan.run(query, key, value, tables, lens, out=out,
-                                                **run_options)}
-    for call in calls.values():  # compile and warm up
-        call()
-    for name, call in calls.items():
-        print(f"{name}: {per_call_us(cupy, call, args.calls):.1f} us per call", flush=True)
+    costs = host_costs(cupy)
+    floor = costs["launch_floor"]
+    for name, us in costs.items():
+        print(f"{name:>14}: {us:6.1f} us per call  ({us / floor:.2f} L)", flush=True)
     if args.profile:
+        rng = np.random.default_rng(0)
+        query, key, value, tables, lens, options = decode_problem(cupy, rng, args.batch,
+                                                                  args.seq_len, args)
+        out = cupy.empty_like(query)
+        cupa.decode(query, key, value, tables, lens, out=out, **options)
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.calls):
-            calls["cupa.decode"]()
+            cupa.decode(query, key, value, tables, lens, out=out, **options)
         profile.disable()
         cupy.cuda.Device().synchronize()
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
