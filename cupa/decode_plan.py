@@ -211,17 +211,17 @@ class DecodePlan:
             with stream:
                 return self.run_matched(raw, out, None)
         stream_ptr = cupy.cuda.get_current_stream().ptr
-        lse = self.lse
-        workspace = self._workspace
-        if out is None:
-            out = self.out
-        if out is None:  # a plan of cupa.decode: new outputs and workspace on this stream
+        lse, workspace = self.lse, self._workspace
+        if not self.own_outputs:  # a plan of cupa.decode: new buffers on this stream per call
             shape = self.shape
-            out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
-                             dtype=self.query_dtype)
+            if out is None:
+                out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
+                                 dtype=self.query_dtype)
             if self.options.return_lse:
                 lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
             workspace = allocate_workspace(self._launch_plan, shape)
+        elif out is None:
+            out = self.out
         acc = 0 if workspace is None else workspace.ptr
         pointers = (out.data.ptr, 0 if lse is None else lse.data.ptr, acc,
                     acc and acc + self._max_offset, acc and acc + self._sum_offset,

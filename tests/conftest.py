@@ -1,7 +1,24 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the rule that a GPU run never turns into silent skips."""
+
+import os
 
 import numpy as np
 import pytest
+
+
+def pytest_sessionstart(session):
+    """CUPA_REQUIRE_GPU=1 (the device runs set it): no usable GPU is an error with its cause,
+    not a suite of skips."""
+    if os.environ.get("CUPA_REQUIRE_GPU") != "1":
+        return
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+        cause = None if count > 0 else "cupy sees no device"
+    except Exception as exc:  # the cause is what a user needs to see
+        cause = f"{type(exc).__name__}: {exc}"
+    if cause is not None:
+        pytest.exit(f"CUPA_REQUIRE_GPU=1 but no GPU is usable ({cause})", returncode=3)
 
 
 @pytest.fixture

@@ -1,0 +1,130 @@
+"""The eager host path on the GPU: decode's plan cache, the prepared launches and the caller's own
+kind of array coming back. Skips without a GPU.
+
+Each check compares with the float64 reference on fresh random inputs and a NaN-poisoned output,
+so a stale plan, a wrong pointer or a missed workspace shows as a wrong result, not only as a
+crash.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import cupa
+from cupa.arrays import gpu_available
+from cupa.reference import paged_decode_reference
+
+from cases import REL_BOUND, make_case, rel_error
+
+pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
+
+
+def device_case(rng, **kwargs):
+    import cupy
+    case = make_case(rng, **kwargs)
+    ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
+    return case, [cupy.asarray(x) for x in case.args()], ref, ref_lse
+
+
+@pytest.mark.parametrize("partition_size", [None, 256])
+def test_cached_plans_give_fresh_outputs_and_follow_new_contents(rng, partition_size):
+    """Back-to-back decode calls reuse one plan: each returns a new array, an `out` given is
+    filled (with the workspace the reduce needs), and new contents of the same arrays are read."""
+    import cupy
+    case, args, ref, _ = device_case(rng, dtype="float16", head_size=128, group=8,
+                                     seq_lens=(3000, 1, 700))
+    first = cupa.decode(*args, partition_size=partition_size)
+    second = cupa.decode(*args, partition_size=partition_size)
+    assert first is not second
+    out = cupy.full(args[0].shape, np.nan, dtype=args[0].dtype)
+    assert cupa.decode(*args, partition_size=partition_size, out=out) is out
+    for result in (first, second, out):
+        assert rel_error(cupy.asnumpy(result), ref) <= REL_BOUND["float16"]
+    # Same arrays, new query contents: the cached plan must read them.
+    fresh = make_case(rng, dtype="float16", head_size=128, group=8, seq_lens=(3000, 1, 700))
+    args[0][...] = cupy.asarray(fresh.query)
+    ref_new, _ = paged_decode_reference(fresh.query, *case.args()[1:], **case.options())
+    out.fill(np.nan)
+    cupa.decode(*args, partition_size=partition_size, out=out)
+    assert rel_error(cupy.asnumpy(out), ref_new) <= REL_BOUND["float16"]
+
+
+def test_options_that_change_the_result_are_not_served_by_another_plan(rng):
+    """A call differing only in an option (scale, window, return_lse) gets its own plan."""
+    import cupy
+    case, args, ref, _ = device_case(rng, dtype="bfloat16", head_size=64, group=4,
+                                     seq_lens=(900, 17))
+    plain = cupa.decode(*args)
+    scaled = cupa.decode(*args, scale=0.05)
+    ref_scaled, _ = paged_decode_reference(*case.args(), scale=0.05)
+    windowed, lse = cupa.decode(*args, sliding_window=64, return_lse=True)
+    ref_window, ref_lse = paged_decode_reference(*case.args(), sliding_window=64)
+    assert rel_error(cupy.asnumpy(plain), ref) <= REL_BOUND["bfloat16"]
+    assert rel_error(cupy.asnumpy(scaled), ref_scaled) <= REL_BOUND["bfloat16"]
+    assert rel_error(cupy.asnumpy(windowed), ref_window) <= REL_BOUND["bfloat16"]
+    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_an_out_of_the_wrong_layout_is_refused(rng):
+    import cupy
+    _, args, _, _ = device_case(rng, dtype="float16", head_size=128, group=8, seq_lens=(100,))
+    cupa.decode(*args)
+    rows, heads, head_size = args[0].shape
+    wide = cupy.empty((rows, heads, 2 * head_size), dtype=cupy.float16)[:, :, :head_size]
+    with pytest.raises(ValueError, match="out: must be C-contiguous"):
+        cupa.decode(*args, out=wide)
+    with pytest.raises(TypeError, match="out: dtype"):
+        cupa.decode(*args, out=cupy.empty(args[0].shape, dtype=cupy.float32))
+
+
+def test_threads_share_a_plan_safely(rng):
+    """Eight threads decoding the same shapes at once (one plan, its packed arguments shared)
+    each get their own correct result."""
+    import cupy
+    cases = [device_case(rng, dtype="float16", head_size=128, group=8, seq_lens=(1500, 40))
+             for _ in range(8)]
+    cupa.decode(*cases[0][1])  # plan and compile once up front
+    results = [None] * len(cases)
+
+    def work(i):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            for _ in range(5):
+                results[i] = cupa.decode(*cases[i][1])
+            stream.synchronize()
+    cupy.cuda.get_current_stream().synchronize()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (_, _, ref, _), result in zip(cases, results):
+        assert rel_error(cupy.asnumpy(result), ref) <= REL_BOUND["float16"]
+
+
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch")
+    case, args, ref, _ = device_case(rng, dtype="float16", head_size=128, group=4,
+                                     seq_lens=(300, 2))
+    tensors = [torch.from_dlpack(a) for a in args]
+    out = cupa.decode(*tensors)
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    assert rel_error(out.cpu().numpy(), ref) <= REL_BOUND["float16"]
+
+
+def test_jax_in_jax_out(rng):
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the GPU to the rest
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    case = make_case(rng, dtype="float32", head_size=64, group=2, seq_lens=(300, 2))
+    ref, _ = paged_decode_reference(*case.args(), **case.options())
+    arrays = [jax.device_put(jnp.asarray(x), jax.devices("gpu")[0]) for x in case.args()]
+    out = cupa.decode(*arrays)
+    assert isinstance(out, jax.Array)
+    assert rel_error(np.asarray(out), ref) <= REL_BOUND["float32"]
