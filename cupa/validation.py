@@ -28,13 +28,18 @@ def dtype_name(dtype) -> str:
         return np.dtype(dtype).name
 
 
+# What makes an object an array argument besides shape and dtype: the interchange protocols.
+ARRAY_PROTOCOLS = ("__cuda_array_interface__", "__dlpack__", "__array_interface__", "__array__")
+
+
 def check_is_array(name, x):
     """A TypeError for what cannot be an array argument: None, strings, mappings, objects
     without shape and dtype. Lists, tuples and numbers are converted like numpy does."""
     if isinstance(x, (list, tuple, int, float, np.generic)):
         return
-    if x is None or isinstance(x, (str, bytes, dict)) or not (
-            hasattr(x, "shape") and hasattr(x, "dtype")):
+    array_like = (hasattr(x, "shape") and hasattr(x, "dtype")) or any(
+        hasattr(x, protocol) for protocol in ARRAY_PROTOCOLS)
+    if x is None or isinstance(x, (str, bytes, dict)) or not array_like:
         raise TypeError(f"{name}: expected an array (numpy, cupy or a DLPack / CUDA array "
                         f"interface tensor), got {type(x).__name__}")
 
