@@ -1,0 +1,152 @@
+"""cupa/kernels/amd_emulation.cuh compiles, with no GPU: emulated (NVRTC, sm_90) for each AMD
+target at its wavefront size, inert on plain NVIDIA builds, and, compiled for the real AMD
+targets by clang -x hip, its wrappers emit exactly the instructions whose tables the emulation
+follows. In CI (CI set) a missing compiler fails instead of skipping."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+import amd_layouts as L
+from amd_emulation_probe import (HEADER, TARGETS, THREADS, emulated_options, hip_clang,
+                                 hip_compile, nvrtc_compile, nvrtc_missing, source,
+                                 wrappers_of)
+
+COMMON = HEADER.parent / "common.cuh"
+IN_CI = bool(os.environ.get("CI"))
+
+
+def need(missing):
+    if missing:
+        (pytest.fail if IN_CI else pytest.skip)(f"offline compiler missing: {missing}")
+
+
+@pytest.fixture
+def nvrtc():
+    need(nvrtc_missing())
+
+
+def header_text():
+    return HEADER.read_text().replace("#pragma once", "")
+
+
+def nvidia_options(warp=32):
+    return ["-DCUPA_HIP=0", f"-DCUPA_WARP={warp}", f"-DCUPA_THREADS={THREADS}", "--std=c++17"]
+
+
+@pytest.mark.parametrize("gfx", sorted(TARGETS))
+def test_emulated_build_compiles(nvrtc, gfx):
+    """Every wrapper of the target and the wavefront operations, through NVRTC and ptxas."""
+    ptx = nvrtc_compile(source(gfx), emulated_options(gfx))
+    for wrapper in wrappers_of(gfx):
+        assert f"probe_{wrapper}" in ptx
+    if TARGETS[gfx][0] == 64:
+        # wave64: a named barrier per wavefront (ids from a register), never barrier 0 alone
+        assert re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
+    else:
+        assert "bar.sync" not in ptx and "barrier.sync" not in ptx
+
+
+@pytest.mark.parametrize("emulate", [None, "0x942", "0x1100"])
+@pytest.mark.parametrize("first", ["common", "emulation"])
+def test_header_coexists_with_common(nvrtc, emulate, first):
+    """The header includes before or after common.cuh, emulated or on plain NVIDIA."""
+    parts = [COMMON.read_text().replace("#pragma once", ""), header_text()]
+    if first == "emulation":
+        parts.reverse()
+    kernel = """
+extern "C" __global__ void k(float* x) {
+    float v = x[threadIdx.x];
+#if CUPA_EMULATE_AMD
+    v = emu_wave_sum(v) + warp_sum(v);
+#else
+    v = warp_sum(v);
+#endif
+    x[threadIdx.x] = v;
+}
+"""
+    if emulate:
+        warp = 64 if emulate == "0x942" else 32
+        options = ["-DCUPA_EMULATE_AMD=1", f"-DCUPA_EMULATE_GFX={emulate}"] + nvidia_options(warp)
+    else:
+        options = nvidia_options()
+    nvrtc_compile("\n".join(parts) + kernel, options)
+
+
+def test_plain_nvidia_build_has_no_wrappers(nvrtc):
+    src = header_text() + """
+#if CUPA_AMD_MFMA || CUPA_AMD_MFMA_FP8 || CUPA_AMD_WMMA_GFX11 || CUPA_AMD_WMMA_GFX12
+#error "an NVIDIA build has no AMD matrix instructions"
+#endif
+static_assert(CUPA_EMU_SCRATCH_BYTES == 0, "no scratch");
+"""
+    nvrtc_compile(src, nvidia_options())
+
+
+@pytest.mark.parametrize("gfx", sorted(TARGETS))
+def test_scratch_and_lds_limit(nvrtc, gfx):
+    warp = TARGETS[gfx][0]
+    scratch = (THREADS // warp) * (4 * 64 if warp == 64 else 16 * 32) * 4
+    ok = header_text() + f"""
+static_assert(CUPA_EMU_SCRATCH_BYTES == {scratch}, "scratch bytes");
+static_assert(AMD_LDS_BYTES == 65536, "64 KiB");
+CUPA_ASSERT_AMD_LDS(65536);
+"""
+    nvrtc_compile(ok, emulated_options(gfx))
+    with pytest.raises(RuntimeError, match="64 KiB"):
+        nvrtc_compile(header_text() + "CUPA_ASSERT_AMD_LDS(65536 + 4);\n", emulated_options(gfx))
+
+
+def test_lds_assert_is_a_no_op_on_nvidia(nvrtc):
+    nvrtc_compile(header_text() + "CUPA_ASSERT_AMD_LDS(200 * 1024);\n", nvidia_options())
+
+
+@pytest.mark.parametrize("options, message", [
+    (["-DCUPA_EMULATE_AMD=1", "-DCUPA_EMULATE_GFX=0x942", "-DCUPA_HIP=0", "-DCUPA_WARP=32"],
+     "CUPA_WARP does not match"),
+    (["-DCUPA_EMULATE_AMD=1", "-DCUPA_EMULATE_GFX=0x1201", "-DCUPA_HIP=0", "-DCUPA_WARP=64"],
+     "CUPA_WARP does not match"),
+    (["-DCUPA_EMULATE_AMD=1", "-DCUPA_EMULATE_GFX=0x908", "-DCUPA_HIP=0", "-DCUPA_WARP=64"],
+     "one of 0x90a"),
+    (["-DCUPA_EMULATE_AMD=1", "-DCUPA_HIP=1", "-DCUPA_WARP=64"], "needs CUPA_HIP=0"),
+])
+def test_bad_configurations_are_refused(nvrtc, options, message):
+    with pytest.raises(RuntimeError, match=message):
+        nvrtc_compile(header_text(), options + [f"-DCUPA_THREADS={THREADS}", "--std=c++17"])
+
+
+def test_default_emulated_targets(nvrtc):
+    """Without CUPA_EMULATE_GFX, wave64 is gfx942 and wave32 gfx1100."""
+    check = header_text() + """
+#if CUPA_WARP == 64 && !(CUPA_AMD_MFMA && CUPA_AMD_MFMA_FP8 && !CUPA_AMD_WMMA_GFX11)
+#error "wave64 default"
+#endif
+#if CUPA_WARP == 32 && !(CUPA_AMD_WMMA_GFX11 && !CUPA_AMD_WMMA_GFX12 && !CUPA_AMD_MFMA)
+#error "wave32 default"
+#endif
+"""
+    for warp in (64, 32):
+        nvrtc_compile(check, ["-DCUPA_EMULATE_AMD=1"] + nvidia_options(warp))
+
+
+@pytest.mark.parametrize("gfx", sorted(TARGETS))
+def test_real_amd_build_emits_the_tabled_instructions(gfx):
+    """Compiled for the real target, the wrappers are AMD's builtins, and the instructions in
+    the assembly are exactly those of the tables the emulation follows (no more: a wrapper
+    that does not exist on a target is not defined there)."""
+    need(None if hip_clang() else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
+    asm = hip_compile(source(gfx, wave_ops=False), gfx)
+    emitted = set(re.findall(r"\bv_(?:mfma|wmma|smfmac|swmmac)\w*", asm))
+    assert emitted == {L.load(t).instruction for t in wrappers_of(gfx).values()}
+
+
+@pytest.mark.parametrize("gfx", sorted(TARGETS))
+def test_real_amd_build_with_common(gfx):
+    need(None if hip_clang() else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
+    src = COMMON.read_text().replace("#pragma once", "") + header_text() + """
+extern "C" __global__ void k(float* x) { x[threadIdx.x] = warp_sum(x[threadIdx.x]); }
+"""
+    hip_compile(src, gfx)
