@@ -10,12 +10,13 @@ import re
 
 import pytest
 
+from cupa.gpu.catalogue import expanded_source
+
 import amd_layouts as L
 from amd_emulation_probe import (HEADER, TARGETS, THREADS, emulated_options, hip_clang,
                                  hip_compile, nvrtc_compile, nvrtc_missing, source,
                                  wrappers_of)
 
-COMMON = HEADER.parent / "common.cuh"
 IN_CI = bool(os.environ.get("CI"))
 
 
@@ -51,12 +52,10 @@ def test_emulated_build_compiles(nvrtc, gfx):
 
 
 @pytest.mark.parametrize("emulate", [None, "0x942", "0x1100"])
-@pytest.mark.parametrize("first", ["common", "emulation"])
-def test_header_coexists_with_common(nvrtc, emulate, first):
-    """The header includes before or after common.cuh, emulated or on plain NVIDIA."""
-    parts = [COMMON.read_text().replace("#pragma once", ""), header_text()]
-    if first == "emulation":
-        parts.reverse()
+def test_common_carries_the_header(nvrtc, emulate):
+    """common.cuh includes the header: emulated or on plain NVIDIA, its warp helpers build (and
+    route through the emulation when emulating)."""
+    parts = [expanded_source("common.cuh")]
     kernel = """
 extern "C" __global__ void k(float* x) {
     float v = x[threadIdx.x];
@@ -146,7 +145,7 @@ def test_real_amd_build_emits_the_tabled_instructions(gfx):
 @pytest.mark.parametrize("gfx", sorted(TARGETS))
 def test_real_amd_build_with_common(gfx):
     need(None if hip_clang() else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
-    src = COMMON.read_text().replace("#pragma once", "") + header_text() + """
+    src = expanded_source("common.cuh") + """
 extern "C" __global__ void k(float* x) { x[threadIdx.x] = warp_sum(x[threadIdx.x]); }
 """
     hip_compile(src, gfx)

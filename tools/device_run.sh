@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# One device session: GPU tests, then benchmarks. Usage: tools/device_run.sh [tests|bench|all|breadth]
+# One device session: GPU tests, then benchmarks.
+# Usage: tools/device_run.sh [tests|emulated|bench|all|breadth] [pytest args]
+#   emulated: the decode suites under the emulated AMD builds (CUPA_EMULATE=gfx942, gfx1100; the
+#             portable kernel at wave64 and wave32) and the emulation's own tests.
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present.
 # The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
 # reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
@@ -22,6 +25,27 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   for i in $(seq 0 $((shards - 1))); do
     echo "== shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_$i.log" | head -10
+  done
+fi
+if [ "$what" = emulated ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_gpu_amd_emulation.py "$@" \
+    > "$OUT/emulation_tests.log" 2>&1
+  echo "== emulation's own tests: $(grep -E "passed|failed|error" "$OUT/emulation_tests.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$OUT/emulation_tests.log" | head -10
+  for target in ${CUPA_EMULATED_TARGETS:-gfx942 gfx1100}; do
+    shards=8
+    for i in $(seq 0 $((shards - 1))); do
+      CUPA_EMULATE=$target CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 400 \
+        python3 -m pytest -q -p no:cacheprovider --shard "$i/$shards" "$@" \
+        tests/test_gpu_decode.py tests/test_gpu_fp8_decode.py tests/test_gpu_multi_token.py \
+        tests/test_gpu_cache.py tests/test_gpu_host_path.py > "$OUT/emulated_${target}_$i.log" 2>&1 &
+    done
+    wait
+    for i in $(seq 0 $((shards - 1))); do
+      echo "== $target shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/emulated_${target}_$i.log" | tail -1)"
+      grep -E "^(FAILED|ERROR)" "$OUT/emulated_${target}_$i.log" | head -5
+    done
+    cat "$OUT"/emulated_${target}_*.log > "$OUT/emulated_${target}.log" && rm "$OUT"/emulated_${target}_*.log
   done
 fi
 if [ "$what" = breadth ]; then

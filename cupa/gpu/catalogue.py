@@ -215,7 +215,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 @functools.lru_cache(maxsize=None)
-def _expanded(filename: str) -> str:
+def expanded_source(filename: str) -> str:
     """Kernel file text with our own `#include "..."` lines inlined (each file once).
 
     hipRTC has no include path for package files, so the source is made self-contained here and
@@ -246,7 +246,7 @@ def batch_source(group) -> str:
     if len(files) != 1:
         raise ValueError(f"a batch must come from one source file, got {sorted(files)}")
     lines = list(dict.fromkeys(line for v in group for line in v.instantiations()))
-    return _expanded(files.pop()) + "\n" + "\n".join(lines) + "\n"
+    return expanded_source(files.pop()) + "\n" + "\n".join(lines) + "\n"
 
 
 def offline_batches(arch: str, size: int = 32) -> list[list]:

@@ -35,6 +35,8 @@ def kernels(variant, device_index: int | None = None) -> dict:
                 module = cupy.RawModule(code=catalogue.module_source(variant), options=options)
                 compiled = {name: module.get_function(name) for name in variant.entry_names}
                 _allow_dynamic_shared(compiled, getattr(variant, "shared_bytes", 0))
+                if info.target.emulated:
+                    _check_amd_lds(compiled, getattr(variant, "shared_bytes", 0), info.target)
                 _modules[key] = compiled
     return compiled
 
@@ -48,3 +50,21 @@ def _allow_dynamic_shared(compiled: dict, nbytes: int) -> None:
     if nbytes > DEFAULT_DYNAMIC_SHARED:
         for kernel in compiled.values():
             kernel.max_dynamic_shared_size_bytes = nbytes
+
+
+def emulation_scratch_bytes(warp_size: int) -> int:
+    """Shared memory the emulated AMD build adds to a kernel that exchanges across a wavefront
+    (CUPA_EMU_SCRATCH_BYTES in kernels/amd_emulation.cuh): the AMD target never has it."""
+    words = 4 * 64 if warp_size == 64 else 16 * 32
+    return catalogue.THREADS // warp_size * words * 4
+
+
+def _check_amd_lds(compiled: dict, dynamic_bytes: int, target) -> None:
+    """An emulated AMD kernel must fit the target's 64 KB of LDS, as it would there."""
+    from .device import AMD_LDS_BYTES
+    allowed = AMD_LDS_BYTES + emulation_scratch_bytes(target.warp_size)
+    for name, kernel in compiled.items():
+        used = int(kernel.shared_size_bytes) + dynamic_bytes
+        if used > allowed:
+            raise RuntimeError(f"{name} needs {used} bytes of shared memory; {target.arch} gives "
+                               f"a workgroup {AMD_LDS_BYTES} of LDS")

@@ -16,6 +16,9 @@ class Target:
 
     arch: str
     warp: int | None = None  # set when the device reports a warp size the name rule would miss
+    # The emulated AMD build (tests and the bench, never users): this AMD target's semantics
+    # compiled by NVRTC for the NVIDIA GPU present (kernels/amd_emulation.cuh, docs/amd_emulation.md).
+    emulated: bool = False
 
     @property
     def is_hip(self) -> bool:
@@ -29,9 +32,16 @@ class Target:
         # hipRTC's default there. NVIDIA warps are 32.
         return 64 if self.arch.startswith("gfx9") else 32
 
+    @property
+    def compiles_with_hiprtc(self) -> bool:
+        return self.is_hip and not self.emulated
+
     def defines(self) -> list[str]:
-        return [f"-DCUPA_WARP={self.warp_size}", f"-DCUPA_HIP={int(self.is_hip)}",
-                f"-DCUPA_THREADS={catalogue.THREADS}"]
+        defines = [f"-DCUPA_WARP={self.warp_size}", f"-DCUPA_HIP={int(self.compiles_with_hiprtc)}",
+                   f"-DCUPA_THREADS={catalogue.THREADS}"]
+        if self.emulated:
+            defines += ["-DCUPA_EMULATE_AMD=1", f"-DCUPA_EMULATE_GFX=0x{self.arch[3:]}"]
+        return defines
 
     def runtime_options(self) -> tuple[str, ...]:
         """Options for cupy.RawModule on this target (cupy adds the arch itself).
@@ -41,7 +51,7 @@ class Target:
         compiled (kernels are looked up once per plan).
         """
         extra = os.environ.get("CUPA_EXTRA_OPTIONS", "").split()
-        if self.is_hip:
+        if self.compiles_with_hiprtc:
             return tuple(self.defines() + ["-std=c++17", "-O3"] + extra)
         return tuple(self.defines() + ["--std=c++17"] + extra)
 
@@ -58,6 +68,21 @@ class DeviceInfo:
     shared_memory_per_sm: int = 0
     registers_per_sm: int = 65536
     reserved_shared_per_block: int = 0
+    hip_runtime: bool = False  # the runtime (and so the launch driver) is HIP's
+
+
+# Targets the emulated AMD build serves (CUPA_EMULATE=<arch>, on an NVIDIA GPU), and the LDS both
+# AMD families give a workgroup (kernels/amd_emulation.cuh: CUPA_AMD_LDS_BYTES).
+EMULATED_TARGETS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
+AMD_LDS_BYTES = 64 * 1024
+
+
+def emulated_target() -> str | None:
+    """CUPA_EMULATE, checked: an AMD arch to emulate on the NVIDIA GPU present, or None."""
+    arch = os.environ.get("CUPA_EMULATE") or None
+    if arch is not None and arch not in EMULATED_TARGETS:
+        raise ValueError(f"CUPA_EMULATE: one of {EMULATED_TARGETS}, got {arch!r}")
+    return arch
 
 
 def device_info(index: int | None = None) -> DeviceInfo:
@@ -81,10 +106,21 @@ def _device_info(index: int) -> DeviceInfo:
         arch = f"sm_{props['major']}{props['minor']}"
     warp = int(props.get("warpSize", Target(arch).warp_size))
     target = Target(arch) if warp == Target(arch).warp_size else Target(arch, warp)
+    emulate = emulated_target()
+    if emulate is not None:
+        if cupy.cuda.runtime.is_hip:
+            raise RuntimeError("CUPA_EMULATE emulates an AMD target on an NVIDIA GPU; this is "
+                               "a ROCm device: unset it")
+        target = Target(emulate, emulated=True)
+        return DeviceInfo(index=index, name=f"{name} emulating {emulate}", target=target,
+                          warp_size=target.warp_size,
+                          multiprocessors=int(props["multiProcessorCount"]),
+                          shared_memory_per_block=AMD_LDS_BYTES)
     return DeviceInfo(index=index, name=name, target=target, warp_size=warp,
                       multiprocessors=int(props["multiProcessorCount"]),
                       shared_memory_per_block=int(props.get("sharedMemPerBlock", 48 * 1024)),
                       shared_memory_per_sm=int(props.get("sharedMemPerMultiprocessor", 0)),
                       registers_per_sm=int(props.get("regsPerMultiprocessor", 65536)),
-                      reserved_shared_per_block=int(props.get("reservedSharedMemPerBlock", 0)))
+                      reserved_shared_per_block=int(props.get("reservedSharedMemPerBlock", 0)),
+                      hip_runtime=bool(cupy.cuda.runtime.is_hip))
 

@@ -80,7 +80,7 @@ class DecodeLaunch:
 
     def __init__(self, plan: LaunchPlan, shape: DecodeShape, device_index: int):
         info = device_info(device_index)
-        is_hip = info.target.is_hip
+        is_hip = info.hip_runtime
         compiled = compiled_kernels(plan.variant, device_index)
         i32, f32 = np.int32, np.float32
         grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
@@ -134,7 +134,7 @@ class CacheWriteLaunch:
                  block_size: int, num_blocks: int, storage_itemsize: int, device_index: int):
         self.variant = catalogue.CacheWriteVariant(dtype, kv_format)
         self.kernel = compiled_kernels(self.variant, device_index)[self.variant.write_name]
-        self.is_hip = device_info(device_index).target.is_hip
+        self.is_hip = device_info(device_index).hip_runtime
         vectors = 2 * num_kv_heads * head_size * storage_itemsize // 16
         self.threads = min(catalogue.THREADS, -(-vectors // 32) * 32)
         self.fixed = (np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size),

@@ -10,6 +10,7 @@
 //                 not a compile-time constant on ROCm 7, so we never use it.
 //   CUPA_HIP      1 when compiling for AMD, 0 for NVIDIA.
 //   CUPA_THREADS  threads per workgroup of the decode kernels.
+//   CUPA_EMULATE_AMD, CUPA_EMULATE_GFX  (optional) the emulated AMD build: see amd_emulation.cuh.
 #pragma once
 
 #ifndef CUPA_WARP
@@ -20,6 +21,12 @@
 #endif
 #ifndef CUPA_THREADS
 #error "CUPA_THREADS must be defined by the host"
+#endif
+// The emulated AMD build (tests only): an AMD target's wavefront and matrix instructions run on
+// NVIDIA, all of it inside amd_emulation.cuh; the kernels below do not know.
+#include "amd_emulation.cuh"
+#if !CUPA_HIP && !CUPA_EMULATE_AMD && CUPA_WARP != 32
+#error "NVIDIA warps are 32 threads: CUPA_WARP=64 on NVIDIA needs the emulated AMD build"
 #endif
 
 typedef unsigned char u8;
@@ -128,6 +135,8 @@ CUPA_FN float fast_div(float a, float b) {
 CUPA_FN float warp_xor(float v, int lane_mask) {
 #if CUPA_HIP
     return __shfl_xor(v, lane_mask, CUPA_WARP);
+#elif CUPA_EMULATE_AMD
+    return emu_wave_xor(v, lane_mask);
 #else
     return __shfl_xor_sync(0xffffffffu, v, lane_mask, CUPA_WARP);
 #endif
