@@ -68,8 +68,11 @@ def assert_same_bits(got, expected):
     expected_nan = np.isnan(expected.view(np.float32))
     assert np.array_equal(got_nan, expected_nan)
     mismatch = (got != expected) & ~got_nan
+    pairs = ", ".join(f"{int(g):#010x}/{int(e):#010x}"
+                      for g, e in zip(got[mismatch][:6], expected[mismatch][:6]))
     assert not mismatch.any(), f"{mismatch.sum()} of {mismatch.size} registers differ, first " \
-        f"at (wave, lane, reg) {tuple(int(i[0]) for i in np.nonzero(mismatch))}"
+        f"at (wave, lane, reg) {tuple(int(i[0]) for i in np.nonzero(mismatch))}; got/expected " \
+        f"{pairs}"
 
 
 def random_registers(layout, rng, waves):
