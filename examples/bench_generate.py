@@ -53,8 +53,8 @@ HF_TOKENS_PER_S = {(8, 512, 256): 95.6, (16, 512, 256): 235.5, (32, 512, 256): 4
 
 def parse_args(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--prompts", type=positive_int_list, default=[8, 16, 32],
                    help="prompt counts, comma-separated (default 8,16,32)")
     p.add_argument("--input-len", type=positive_int, default=512,

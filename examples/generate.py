@@ -33,8 +33,8 @@ from llm.engine import Engine  # noqa: E402
 from llm.runtime import (block_bytes, calibrate_kv_scales, default_num_blocks,  # noqa: E402
                          load_model, make_cache, resolve_kv_format)
 from llm.sampling import SamplingParams  # noqa: E402
-from llm.weights import CheckpointError  # noqa: E402
 from llm.tokenizer import TextStream, load_tokenizer, tokenizers_available  # noqa: E402
+from llm.weights import CheckpointError  # noqa: E402
 
 KV_FORMATS = ("none", "fp8_e4m3", "fp8_e4m3fnuz", "auto")
 
@@ -64,8 +64,8 @@ def parse_kv_scale(text: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
                    default=[], help="prompt text (repeatable; needs `pip install tokenizers`)")
