@@ -251,7 +251,7 @@ def test_non_finite_weights_warn(model_dir, value):
     rewrite_tensors(model_dir, poison)
     with pytest.warns(CheckpointWarning, match="NaN or infinity") as record:
         load(model_dir)
-    assert_names(record[0].message, model_dir / WEIGHTS, *names, "2 tensors")
+    assert_names(record[0].message, model_dir / WEIGHTS, *names, "2 tensor(s)")
 
 
 def test_cli_non_finite_weights_warn_in_one_line(model_dir):
@@ -268,7 +268,7 @@ def test_unused_tensor_warns(model_dir):
     def add_extra(tensors):
         tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(64, np.float32)
     rewrite_tensors(model_dir, add_extra)
-    with pytest.warns(CheckpointWarning, match="does not use") as record:
+    with pytest.warns(CheckpointWarning, match="ignoring 1 tensor") as record:
         load(model_dir)
     assert_names(record[0].message, model_dir / WEIGHTS, "model.layers.0.self_attn.q_norm.weight")
 

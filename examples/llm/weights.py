@@ -419,8 +419,9 @@ def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True) ->
     source, entries = read_checkpoint(model_dir)
     unused = check_checkpoint(source, entries, config, str(model_dir / "config.json"))
     if unused:
-        warnings.warn(f"{source}: {len(unused)} tensors that {model_dir / 'config.json'} does not "
-                      f"use are ignored: {_names(unused)}", CheckpointWarning, stacklevel=2)
+        warnings.warn(f"{source}: ignoring {len(unused)} tensor(s) that "
+                      f"{model_dir / 'config.json'} does not use: {_names(unused)}",
+                      CheckpointWarning, stacklevel=2)
     needed = expected_tensors(config)
     tensors = map_tensors({name: entries[name] for name in needed})
     total_bytes = sum(t.nbytes for t in tensors.values())
@@ -468,8 +469,8 @@ def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True) ->
     bar.finish()
     if non_finite:
         files = sorted({str(entries[n].file) for n in non_finite})
-        warnings.warn(f"{', '.join(files)}: {len(non_finite)} tensors hold NaN or infinity, so "
-                      f"the output will be garbage: {_names(non_finite)}", CheckpointWarning,
+        warnings.warn(f"{', '.join(files)}: {len(non_finite)} tensor(s) hold NaN or infinity, "
+                      f"so the output will be garbage: {_names(non_finite)}", CheckpointWarning,
                       stacklevel=2)
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
 
