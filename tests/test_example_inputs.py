@@ -16,6 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,8 +29,9 @@ import bench_generate  # noqa: E402
 import generate  # noqa: E402
 from llm.config import (ConfigError, InvalidPromptError, UnsupportedModelError,  # noqa: E402
                         check_prompt_ids, load_config)
-from llm.weights import (CheckpointError, CheckpointWarning, load_weights,  # noqa: E402
-                         open_safetensors, read_checkpoint, save_safetensors)
+from llm.weights import (FLOAT_BITS, SAFETENSORS_DTYPES, CheckpointError,  # noqa: E402
+                         CheckpointWarning, has_non_finite, load_weights, open_safetensors,
+                         read_checkpoint, save_safetensors)
 from make_tiny_llama import make_checkpoint  # noqa: E402
 
 WEIGHTS = "model.safetensors"
@@ -241,8 +243,10 @@ def test_wrong_shape(model_dir):
                  "intermediate_size, hidden_size")
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_non_finite_weights_warn(model_dir, value):
+@pytest.mark.parametrize("value, dtype", [(np.nan, "float32"), (np.inf, "float32"),
+                                          (-np.inf, "bfloat16"), (np.nan, "float16")])
+def test_non_finite_weights_warn(tmp_path, value, dtype):
+    model_dir = make_checkpoint(tmp_path / dtype, dtype=dtype, tokenizer=False)
     names = [Q_PROJ, "model.norm.weight"]
 
     def poison(tensors):
@@ -285,6 +289,27 @@ def test_ignored_tensors_do_not_warn(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load(model_dir)
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
+def test_non_finite_check_sees_every_nan_and_infinity(dtype):
+    """The bit test against np.isfinite, on the extremes: largest finite, smallest subnormal,
+    zeros of both signs, infinities and NaNs of several payloads."""
+    numpy_dtype = SAFETENSORS_DTYPES[dtype]
+    limits = ml_dtypes.finfo(numpy_dtype)  # numpy's finfo does not know bfloat16
+    finite = np.array([0.0, -0.0, 1.0, -2.5, limits.max, -limits.max, limits.smallest_subnormal],
+                      numpy_dtype)
+    assert not has_non_finite(finite, dtype, chunk_elements=3)
+    unsigned = FLOAT_BITS[dtype][0]
+    infinity = FLOAT_BITS[dtype][2]
+    for bits in (infinity, infinity + 1, infinity | (infinity >> 1) | 1):  # inf, NaNs
+        for sign in (0, 1):
+            pattern = unsigned(bits) | (unsigned(sign) << unsigned(8 * finite.itemsize - 1))
+            bad = finite.copy()
+            bad.view(unsigned)[5] = pattern
+            with np.errstate(invalid="ignore"):  # casting a NaN payload
+                assert not np.isfinite(bad.astype(np.float64)).all()
+            assert has_non_finite(bad, dtype, chunk_elements=3)
 
 
 def test_valid_checkpoint_loads_without_warnings_and_memory_mapped(model_dir):

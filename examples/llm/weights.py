@@ -48,8 +48,17 @@ SAFETENSORS_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
     "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
 }
-# What a weight the model uses may be stored as: it is converted to the compute dtype.
-WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+# The dtypes a weight the model uses may be stored as (it is converted to the compute dtype),
+# each with (unsigned view, mask clearing the sign, the bits of +infinity): a value is NaN or
+# infinite exactly when its bits without the sign reach +infinity's (all exponent bits set).
+# Integer operations on the raw bits run several times faster than np.isfinite on bfloat16.
+FLOAT_BITS = {
+    "F16": (np.uint16, 0x7FFF, 0x7C00),
+    "BF16": (np.uint16, 0x7FFF, 0x7F80),
+    "F32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
+    "F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+}
+WEIGHT_DTYPES = tuple(FLOAT_BITS)
 # The format's own limit (the reference implementation refuses longer headers); it also keeps a
 # garbage length from becoming a huge read.
 MAX_HEADER_BYTES = 100 * 2**20
@@ -325,12 +334,20 @@ def check_checkpoint(source: Path, entries: dict[str, TensorEntry], config: Mode
             and not name.endswith(IGNORED_SUFFIXES)]
 
 
-def _non_finite(array, chunk_elements=1 << 22) -> bool:
-    """Whether a (memory-mapped) array holds a NaN or an infinity, read in chunks so the boolean
-    temporaries stay small whatever the tensor's size."""
-    flat = array.reshape(-1)
-    return any(not np.isfinite(flat[i:i + chunk_elements]).all()
-               for i in range(0, flat.shape[0], chunk_elements))
+def has_non_finite(array, dtype: str, chunk_elements=1 << 22) -> bool:
+    """Whether a (memory-mapped) array of safetensors dtype `dtype` (one of FLOAT_BITS) holds a
+    NaN or an infinity. Read in chunks through one small buffer, so no temporary grows with the
+    tensor."""
+    unsigned, magnitude, infinity = FLOAT_BITS[dtype]
+    bits = array.reshape(-1).view(unsigned)
+    buffer = np.empty(min(chunk_elements, bits.size), unsigned)
+    for start in range(0, bits.size, chunk_elements):
+        part = bits[start:start + chunk_elements]
+        out = buffer[:part.size]
+        np.bitwise_and(part, unsigned(magnitude), out=out)
+        if out.max() >= infinity:
+            return True
+    return False
 
 
 def save_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
@@ -434,7 +451,7 @@ def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True) ->
             return None
         host = tensors[name]
         bar.advance(host.nbytes)
-        if _non_finite(host):
+        if has_non_finite(host, entries[name].dtype):
             non_finite.append(name)
         # Convert on the host in float32 only when the dtype changes (bf16 -> f16 etc.); a plain
         # upload keeps the peak host memory at one tensor.
