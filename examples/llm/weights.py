@@ -26,6 +26,7 @@ import numpy as np
 
 from .config import ModelConfig
 
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as config.json describes it: a malformed or truncated
     safetensors file, a missing tensor, a wrong shape or dtype. The message names the file and,
@@ -59,6 +60,9 @@ FLOAT_BITS = {
     "F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
 }
 WEIGHT_DTYPES = tuple(FLOAT_BITS)
+# A checkpoint is one file, or shards listed by an index (the Hugging Face names).
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 # The format's own limit (the reference implementation refuses longer headers); it also keeps a
 # garbage length from becoming a huge read.
 MAX_HEADER_BYTES = 100 * 2**20
@@ -182,10 +186,6 @@ def open_safetensors(path) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{path}: tensor {entry.name} has dtype {entry.dtype}, which "
                                   f"this reader does not support ({', '.join(SAFETENSORS_DTYPES)})")
     return map_tensors(entries)
-
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 def checkpoint_source(model_dir) -> Path:
@@ -318,7 +318,7 @@ def check_checkpoint(source: Path, entries: dict[str, TensorEntry], config: Mode
     expected = expected_tensors(config)
     missing = [name for name in expected if name not in entries]
     if missing:
-        raise CheckpointError(f"{source}: lacks tensor {_names(missing)}, which {config_name} "
+        raise CheckpointError(f"{source}: lacks tensor(s) {_names(missing)}, which {config_name} "
                               "implies")
     for name, want in expected.items():
         entry = entries[name]
