@@ -36,9 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # cupa from a source checkout
 
 from cupa.arrays import gpu_available  # noqa: E402
+from cupa.validation import SUPPORTED_BLOCK_SIZES  # noqa: E402
+from llm.cli_args import (OneLineArgumentParser, non_negative_int, positive_int,  # noqa: E402
+                          positive_int_list)
 
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
-                 num_heads=32, num_kv_heads=32, head_dim=128)
+                 num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
+ATTENTION_PATHS = ("paged", "naive")
 
 # Output tokens/s of Hugging Face transformers' generate() on the full Llama-2-7B shape (fp16),
 # keyed by (prompts, input tokens, output tokens): the reference this benchmark is measured
@@ -47,46 +51,61 @@ HF_TOKENS_PER_S = {(8, 512, 256): 95.6, (16, 512, 256): 235.5, (32, 512, 256): 4
                    (32, 512, 512): 612.4}
 
 
-def int_list(text):
-    return [int(x) for x in text.split(",") if x]
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--prompts", type=int_list, default=[8, 16, 32],
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--prompts", type=positive_int_list, default=[8, 16, 32],
                    help="prompt counts, comma-separated (default 8,16,32)")
-    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (default 512)")
-    p.add_argument("--output-lens", type=int_list, default=[256, 512],
+    p.add_argument("--input-len", type=positive_int, default=512,
+                   help="prompt tokens (default 512)")
+    p.add_argument("--output-lens", type=positive_int_list, default=[256, 512],
                    help="generated tokens per prompt, comma-separated (default 256,512)")
-    p.add_argument("--attention", type=lambda s: s.split(","), default=["paged", "naive"],
+    p.add_argument("--attention", type=lambda s: [x for x in s.split(",") if x],
+                   default=list(ATTENTION_PATHS),
                    help="paths to run: paged,naive (default both)")
-    p.add_argument("--naive-prompts", type=int_list, default=None,
+    p.add_argument("--naive-prompts", type=positive_int_list, default=None,
                    help="prompt counts of the naive path, comma-separated (default: the same as "
                         "--prompts)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="paged path: replay decode steps from captured CUDA graphs (default; "
                         "--no-graphs launches every kernel from Python). The naive path is "
                         "always eager")
-    p.add_argument("--layers", type=int, default=32,
+    p.add_argument("--layers", type=positive_int, default=LLAMA2_7B["num_layers"],
                    help="decoder layers to build, of Llama-2-7B's 32 (default 32; fewer run "
                         "faster but have no Hugging Face reference)")
-    p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
+    p.add_argument("--block-size", type=int, default=16, choices=SUPPORTED_BLOCK_SIZES)
     p.add_argument("--kv-format", default="none",
                    choices=("none", "fp8_e4m3", "fp8_e4m3fnuz", "auto"),
                    help="KV-cache storage as in generate.py (default none = fp16); fp8 scales "
                         "are calibrated on each run's prompts, off the clock")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
-    bad = set(args.attention) - {"paged", "naive"}
+    bad = set(args.attention) - set(ATTENTION_PATHS)
     if bad:
-        p.error(f"--attention: unknown {sorted(bad)}; choose from paged,naive")
+        p.error(f"--attention: unknown {sorted(bad)}; choose from {','.join(ATTENTION_PATHS)}")
+    if not args.attention:
+        p.error(f"--attention: give at least one of {','.join(ATTENTION_PATHS)}")
     if args.naive_prompts is None:
         args.naive_prompts = args.prompts
-    if not 1 <= args.layers <= 32:
-        p.error("--layers must be from 1 to 32")
+    # Counts not in --prompts would silently never run.
+    stray = sorted(set(args.naive_prompts) - set(args.prompts))
+    if stray:
+        p.error(f"--naive-prompts {','.join(map(str, stray))}: not among --prompts "
+                f"{','.join(map(str, args.prompts))}")
+    if args.layers > LLAMA2_7B["num_layers"]:
+        p.error(f"--layers must be from 1 to {LLAMA2_7B['num_layers']}, got {args.layers}")
+    # A sequence stops at the model's position limit, which would silently shorten the run.
+    longest = args.input_len + max(args.output_lens)
+    if longest > LLAMA2_7B["max_position_embeddings"]:
+        p.error(f"--input-len {args.input_len} + --output-lens {max(args.output_lens)} = "
+                f"{longest} tokens exceeds the model's {LLAMA2_7B['max_position_embeddings']} "
+                "positions")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        # Found out now, not after minutes of benchmarking.
+        p.error(f"--json {args.json}: the directory {Path(args.json).resolve().parent} "
+                "does not exist")
     return args
 
 
@@ -189,7 +208,7 @@ def main(argv=None) -> int:
     from llm.weights import random_weights
 
     config = ModelConfig(architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=4096, **dict(LLAMA2_7B, num_layers=args.layers))
+                         **dict(LLAMA2_7B, num_layers=args.layers))
     device = device_info().name
     kv_format = resolve_kv_format(args.kv_format, "gpu")
     note = (f"Llama-2-7B shape with {args.layers} of 32 layers (random fp16 weights)"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,12 +24,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # cupa from a source checkout
 
-from llm.config import UnsupportedModelError  # noqa: E402
+from cupa.validation import SUPPORTED_BLOCK_SIZES  # noqa: E402
+from llm.cli_args import (OneLineArgumentParser, non_negative_float, non_negative_int,  # noqa: E402
+                          one_line_warnings, positive_int, probability, report)
+from llm.config import (ConfigError, InvalidPromptError, check_prompt_ids,  # noqa: E402
+                        load_config)
 from llm.engine import Engine  # noqa: E402
-from llm.runtime import (calibrate_kv_scales, default_num_blocks, load_model,  # noqa: E402
-                         make_cache, resolve_kv_format)
+from llm.runtime import (block_bytes, calibrate_kv_scales, default_num_blocks,  # noqa: E402
+                         load_model, make_cache, resolve_kv_format)
 from llm.sampling import SamplingParams  # noqa: E402
 from llm.tokenizer import TextStream, load_tokenizer, tokenizers_available  # noqa: E402
+from llm.weights import CheckpointError  # noqa: E402
 
 KV_FORMATS = ("none", "fp8_e4m3", "fp8_e4m3fnuz", "auto")
 
@@ -57,22 +63,23 @@ def parse_kv_scale(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
                    default=[], help="prompt text (repeatable; needs `pip install tokenizers`)")
     p.add_argument("--prompt-ids", dest="prompts", action="append", type=parse_ids,
                    help="prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 = greedy (default)")
+    p.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1 = no limit")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = no limit")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
-    p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
-    p.add_argument("--num-blocks", type=int, default=None,
+    p.add_argument("--block-size", type=int, default=16, choices=SUPPORTED_BLOCK_SIZES)
+    p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV-cache blocks (default: enough for every prompt at full length, "
                         "capped at 80%% of free GPU memory); fewer make sequences wait or be "
                         "preempted")
@@ -91,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: gpu when cupy sees a device, else numpy")
     p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                    help="GPU compute dtype (default: the checkpoint's); numpy always uses float32")
-    p.add_argument("--max-batch", type=int, default=256, help="most sequences decoded at once")
+    p.add_argument("--max-batch", type=positive_int, default=256,
+                   help="most sequences decoded at once")
     p.add_argument("--no-graphs", action="store_true",
                    help="launch every decode step's kernels from Python instead of replaying "
                         "captured CUDA graphs (graphs are the default on a CUDA GPU; the numpy "
@@ -138,15 +146,24 @@ def _scales(values) -> str:
     return f"{lo:.3g}" if lo == hi else f"{lo:.3g}..{hi:.3g}"
 
 
+def memory_bytes(backend: str) -> int | None:
+    """Total memory the KV cache could ever occupy: the GPU's, or the host's RAM (None when the
+    platform does not say)."""
+    if backend == "gpu":
+        import cupy
+        return cupy.cuda.Device().mem_info[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.prompts:
         parser.error("give at least one --prompt or --prompt-ids")
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be >= 1")
-    if args.max_batch < 1:
-        parser.error("--max-batch must be >= 1")
+    # The argument types have range-checked every number; check() is the engine's own guard.
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
     try:
@@ -155,23 +172,24 @@ def main(argv=None) -> int:
         parser.error(str(e))
 
     try:
+        # The cheap checks first: a missing directory, a bad config.json or prompt ids outside
+        # the vocabulary are reported before any weight is read.
+        config = load_config(args.model)
         tokenizer = load_tokenizer(args.model)
         if any(kind == "text" for kind, _ in args.prompts) and tokenizer is None:
             why = (f"{args.model} has no tokenizer.json" if tokenizers_available() else
                    "the `tokenizers` package is not installed (pip install tokenizers)")
             parser.error(f"--prompt needs a tokenizer but {why}; pass --prompt-ids instead")
+        prompts = [tokenizer.encode(p) if kind == "text" else p for kind, p in args.prompts]
+        check_prompt_ids(prompts, config)
         model, backend = load_model(args.model, backend=args.backend, dtype=args.dtype)
-    except (UnsupportedModelError, FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Only errors about the user's input: config.json, the checkpoint, the prompts, files that
+    # cannot be read, options this backend refuses (ValueError, RuntimeError: e.g. --backend gpu
+    # without a GPU).
+    except (ConfigError, CheckpointError, InvalidPromptError, OSError, ValueError,
+            RuntimeError) as e:
+        return report(e)
 
-    prompts = [tokenizer.encode(p) if kind == "text" else p for kind, p in args.prompts]
-    vocab = model.config.vocab_size
-    for i, p in enumerate(prompts):
-        if not p or min(p) < 0 or max(p) >= vocab:
-            print(f"error: prompt {i}: token ids must be in [0, {vocab}) and at least one",
-                  file=sys.stderr)
-            return 2
     kv_format = resolve_kv_format(args.kv_format, backend)
     if kv_format is None and args.kv_scale != "calibrate":
         parser.error(f"--kv-scale needs an fp8 KV cache, but --kv-format {args.kv_format} "
@@ -181,11 +199,25 @@ def main(argv=None) -> int:
         k_scale, v_scale = calibrate_kv_scales(model, prompts, kv_format)
     elif kv_format:
         k_scale = v_scale = args.kv_scale
-    lengths = [len(p) + args.max_new_tokens for p in prompts]
-    num_blocks = args.num_blocks or default_num_blocks(model, args.block_size, lengths, backend,
-                                                       kv_format=kv_format)
-    cache = make_cache(model, num_blocks, args.block_size, backend, kv_format=kv_format,
-                       k_scale=k_scale, v_scale=v_scale)
+    # A sequence stops at the model's longest sequence, so no block past it is ever needed.
+    lengths = [min(len(p) + args.max_new_tokens, model.config.max_seq_len) for p in prompts]
+    if args.num_blocks is not None:  # 0 is refused by its type: it must not mean the default
+        num_blocks = args.num_blocks
+    else:
+        num_blocks = default_num_blocks(model, args.block_size, lengths, backend,
+                                        kv_format=kv_format)
+    need, limit = num_blocks * block_bytes(model, args.block_size, kv_format), memory_bytes(backend)
+    blocks_from = "--num-blocks" if args.num_blocks is not None else "the default for the prompts"
+    if limit is not None and need > limit:
+        return report(f"a KV cache of {num_blocks} blocks ({blocks_from}) needs "
+                      f"{need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB of memory "
+                      f"here: lower --num-blocks or --max-new-tokens")
+    try:
+        cache = make_cache(model, num_blocks, args.block_size, backend, kv_format=kv_format,
+                           k_scale=k_scale, v_scale=v_scale)
+    except MemoryError:
+        return report(f"a KV cache of {num_blocks} blocks ({blocks_from}, {need / 2**30:.1f} "
+                      "GiB) could not be allocated: lower --num-blocks or --max-new-tokens")
     cfg = model.config
     log = sys.stderr if args.json else sys.stdout
     storage = (f"{kv_format}, scales K {_scales(cache.k_scale)} V {_scales(cache.v_scale)}"
@@ -236,4 +268,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    one_line_warnings()
     sys.exit(main())

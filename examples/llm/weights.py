@@ -3,14 +3,21 @@
 safetensors' own numpy loader has no bfloat16 (numpy lacks it), so the file format is read here
 directly: 8 bytes of little-endian header length, a JSON header naming each tensor's dtype, shape
 and byte range, then the raw bytes. ml_dtypes supplies the bfloat16 numpy dtype.
+
+The reader trusts nothing in the file: the header length, every byte range and the tensors'
+names, dtypes and shapes (against what config.json implies) are checked before a single weight
+is built, and the data is memory-mapped, never read whole. A bad file raises CheckpointError
+naming the file and the tensor instead of failing later inside numpy.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,51 +26,328 @@ import numpy as np
 
 from .config import ModelConfig
 
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as config.json describes it: a malformed or truncated
+    safetensors file, a missing tensor, a wrong shape or dtype. The message names the file and,
+    where there is one, the tensor."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that loads but looks wrong: non-finite weights, tensors nothing uses."""
+
+
+# Bytes per element of every dtype the safetensors format defines, so that the byte range of any
+# tensor can be checked, also of one this engine cannot read.
+SAFETENSORS_ITEMSIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+}
+# The dtypes read into numpy (ml_dtypes supplies bfloat16) and written by save_safetensors.
 SAFETENSORS_DTYPES = {
     "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
     "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
 }
+# The dtypes a weight the model uses may be stored as (it is converted to the compute dtype),
+# each with (unsigned view, mask clearing the sign, the bits of +infinity): a value is NaN or
+# infinite exactly when its bits without the sign reach +infinity's (all exponent bits set).
+# Integer operations on the raw bits run several times faster than np.isfinite on bfloat16.
+FLOAT_BITS = {
+    "F16": (np.uint16, 0x7FFF, 0x7C00),
+    "BF16": (np.uint16, 0x7FFF, 0x7F80),
+    "F32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
+    "F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+}
+WEIGHT_DTYPES = tuple(FLOAT_BITS)
+# A checkpoint is one file, or shards listed by an index (the Hugging Face names).
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# The format's own limit (the reference implementation refuses longer headers); it also keeps a
+# garbage length from becoming a huge read.
+MAX_HEADER_BYTES = 100 * 2**20
+# Names at most listed in one message; longer lists end with "and N more".
+MAX_NAMES_SHOWN = 5
+# Tensors a checkpoint may carry that the model deliberately does not read, so they get no
+# "unused" warning: older Llama exports saved the rotary inverse frequencies, which the model
+# computes itself; a tied lm_head is the embedding (Hugging Face ignores both the same way).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def read_safetensors_header(path) -> tuple[dict, int]:
-    """(tensor name -> {dtype, shape, data_offsets}, offset of the data section)."""
+def _names(names) -> str:
+    names = list(names)
+    shown = ", ".join(names[:MAX_NAMES_SHOWN])
+    more = len(names) - MAX_NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header, its byte range already checked against the file."""
+
+    file: Path
+    name: str
+    dtype: str               # the safetensors name: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    begin: int               # absolute byte offsets in `file`
+    end: int
+
+
+def _check_entry(path, name, info, data_size) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, relative to the data section, or
+    CheckpointError."""
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry is {info!r}, not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise CheckpointError(f"{where}: header entry lacks {key!r}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in SAFETENSORS_ITEMSIZES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+
+    def is_count(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(shape, list) or not all(is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_count, offsets))
+            or offsets[0] > offsets[1]):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end] with "
+                              "0 <= begin <= end")
+    begin, end = offsets
+    need = math.prod(shape) * SAFETENSORS_ITEMSIZES[dtype]
+    if end - begin != need:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes "
+                              f"but {dtype} x {shape} needs {need}")
+    if end > data_size:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] run past the end of the "
+                              f"data section ({data_size} bytes): the file is truncated or "
+                              "corrupt")
+    return dtype, tuple(shape), begin, end
+
+
+def read_safetensors_header(path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, every byte range checked against the file size and
+    against each other, or CheckpointError naming the file (and the tensor).
+
+    Layout: 8 bytes of little-endian header length, that many bytes of JSON, then the data."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (an "
+                              "8-byte header length comes first)")
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CheckpointError(f"{path}: header length {length} does not fit in the file of "
+                                  f"{size} bytes: not a safetensors file, or truncated")
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for binary garbage
+        raise CheckpointError(f"{path}: the header is not valid JSON ({e}): not a safetensors "
+                              "file, or truncated") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
-    return header, 8 + length
+    data_start, data_size = 8 + length, size - 8 - length
+    entries = {}
+    for name, info in header.items():
+        dtype, shape, begin, end = _check_entry(path, name, info, data_size)
+        entries[name] = TensorEntry(path, name, dtype, shape, data_start + begin, data_start + end)
+    # Overlapping ranges mean a corrupt header (two tensors would share bytes). Empty tensors
+    # occupy no bytes and cannot overlap anything.
+    ranges = sorted((e for e in entries.values() if e.end > e.begin), key=lambda e: e.begin)
+    for before, after in zip(ranges, ranges[1:]):
+        if after.begin < before.end:
+            raise CheckpointError(f"{path}: tensors {before.name} and {after.name} overlap "
+                                  f"(bytes {after.begin}..{before.end} of the file)")
+    return entries
+
+
+def map_tensors(entries: dict[str, TensorEntry]) -> dict[str, np.ndarray]:
+    """Read-only numpy views of a memory map of each file (nothing is read until used). The
+    entries must come from read_safetensors_header, and their dtypes be in SAFETENSORS_DTYPES."""
+    maps, tensors = {}, {}
+    for name, entry in entries.items():
+        if entry.file not in maps:
+            maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r")
+        raw = maps[entry.file][entry.begin:entry.end]
+        tensors[name] = raw.view(SAFETENSORS_DTYPES[entry.dtype]).reshape(entry.shape)
+    return tensors
 
 
 def open_safetensors(path) -> dict[str, np.ndarray]:
     """Every tensor of one file as a read-only numpy view of a memory map (nothing is copied)."""
-    header, data_start = read_safetensors_header(path)
-    blob = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = {}
-    for name, info in header.items():
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        raw = blob[data_start + begin:data_start + end]
-        tensors[name] = raw.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return tensors
+    entries = read_safetensors_header(path)
+    for entry in entries.values():
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {entry.name} has dtype {entry.dtype}, which "
+                                  f"this reader does not support ({', '.join(SAFETENSORS_DTYPES)})")
+    return map_tensors(entries)
 
 
-def checkpoint_tensors(model_dir) -> dict[str, np.ndarray]:
-    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+def checkpoint_source(model_dir) -> Path:
+    """The file that defines the checkpoint: the shard index if there is one, else
+    model.safetensors; FileNotFoundError when neither exists."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
-                                "(only safetensors checkpoints are supported)")
-    tensors = {}
-    for name in files:
-        tensors.update(open_safetensors(model_dir / name))
-    return tensors
+    for name in (INDEX_FILE, SINGLE_FILE):
+        if (model_dir / name).is_file():
+            return model_dir / name
+    raise FileNotFoundError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
+                            "checkpoints are supported)")
+
+
+def _shard_names(index: Path) -> tuple[list[str], dict[str, str]]:
+    """(shard file names, tensor name -> shard) of a model.safetensors.index.json."""
+    try:
+        raw = json.loads(index.read_bytes())
+    except ValueError as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index}: lacks a 'weight_map' object of tensor name -> file name")
+    for tensor, shard in weight_map.items():
+        # A shard must be a file next to the index: a path could name any file on the machine.
+        if Path(shard).name != shard:
+            raise CheckpointError(f"{index}: tensor {tensor} maps to {shard!r}, which is not a "
+                                  "file name in the checkpoint directory")
+        if not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index}: tensor {tensor} maps to shard {shard}, which does "
+                                  "not exist")
+    return sorted(set(weight_map.values())), weight_map
+
+
+def read_checkpoint(model_dir) -> tuple[Path, dict[str, TensorEntry]]:
+    """(the checkpoint's defining file, every tensor's entry) of model.safetensors or of the
+    shards listed in model.safetensors.index.json, all headers checked."""
+    source = checkpoint_source(model_dir)
+    if source.name == SINGLE_FILE:
+        return source, read_safetensors_header(source)
+    shards, weight_map = _shard_names(source)
+    entries = {}
+    for shard in shards:
+        for name, entry in read_safetensors_header(source.parent / shard).items():
+            if name in entries:
+                raise CheckpointError(f"{entry.file}: tensor {name} is also in "
+                                      f"{entries[name].file}")
+            entries[name] = entry
+    for tensor, shard in weight_map.items():
+        if tensor not in entries or entries[tensor].file.name != shard:
+            raise CheckpointError(f"{source}: tensor {tensor} is mapped to {shard}, which has no "
+                                  "such tensor")
+    return source, entries
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    shape: tuple[int, ...]
+    meaning: str             # where the shape comes from, e.g. "[hidden_size]"
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, ExpectedTensor]:
+    """Every tensor the model reads from a checkpoint, with the shape config.json implies (the
+    Hugging Face names; matrices are [out_features, in_features])."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    q_means, kv_means = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
+    expected = {"model.embed_tokens.weight": ExpectedTensor((vocab, hidden),
+                                                            "[vocab_size, hidden_size]"),
+                "model.norm.weight": ExpectedTensor((hidden,), "[hidden_size]")}
+    if not config.tie_word_embeddings:
+        expected["lm_head.weight"] = ExpectedTensor((vocab, hidden), "[vocab_size, hidden_size]")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": ((hidden,), "[hidden_size]"),
+            "post_attention_layernorm.weight": ((hidden,), "[hidden_size]"),
+            "self_attn.q_proj.weight": ((q_out, hidden), f"[{q_means}, hidden_size]"),
+            "self_attn.k_proj.weight": ((kv_out, hidden), f"[{kv_means}, hidden_size]"),
+            "self_attn.v_proj.weight": ((kv_out, hidden), f"[{kv_means}, hidden_size]"),
+            "self_attn.o_proj.weight": ((hidden, q_out), f"[hidden_size, {q_means}]"),
+            "mlp.gate_proj.weight": ((inter, hidden), "[intermediate_size, hidden_size]"),
+            "mlp.up_proj.weight": ((inter, hidden), "[intermediate_size, hidden_size]"),
+            "mlp.down_proj.weight": ((hidden, inter), "[hidden_size, intermediate_size]"),
+        }
+        if config.qkv_bias:
+            layer["self_attn.q_proj.bias"] = ((q_out,), f"[{q_means}]")
+            layer["self_attn.k_proj.bias"] = ((kv_out,), f"[{kv_means}]")
+            layer["self_attn.v_proj.bias"] = ((kv_out,), f"[{kv_means}]")
+        if config.o_bias:
+            layer["self_attn.o_proj.bias"] = ((hidden,), "[hidden_size]")
+        if config.mlp_bias:
+            layer["mlp.gate_proj.bias"] = ((inter,), "[intermediate_size]")
+            layer["mlp.up_proj.bias"] = ((inter,), "[intermediate_size]")
+            layer["mlp.down_proj.bias"] = ((hidden,), "[hidden_size]")
+        expected.update({p + k: ExpectedTensor(*v) for k, v in layer.items()})
+    return expected
+
+
+def _layer_indices(names) -> set[int]:
+    indices = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            indices.add(int(parts[2]))
+    return indices
+
+
+def _head_dim_note(config: ModelConfig) -> str:
+    """A hint for a shape error when config.json's head_dim is not hidden_size / heads."""
+    derived = config.hidden_size / config.num_heads
+    if config.head_dim == derived:
+        return ""
+    return (f"; note config.json head_dim={config.head_dim} differs from "
+            f"hidden_size/num_attention_heads={derived:g}")
+
+
+def check_checkpoint(source: Path, entries: dict[str, TensorEntry], config: ModelConfig,
+                     config_name: str = "config.json") -> list[str]:
+    """Check the tensors against what config.json implies; CheckpointError for a layer count
+    that differs, a missing tensor, a wrong dtype or shape. Returns the names of the tensors the
+    model does not use (the caller warns about them)."""
+    layers = _layer_indices(entries)
+    found = max(layers) + 1 if layers else 0
+    if found != config.num_layers:
+        raise CheckpointError(f"{source}: the checkpoint has {found} decoder layers "
+                              f"(model.layers.N) but {config_name} says num_hidden_layers="
+                              f"{config.num_layers}")
+    expected = expected_tensors(config)
+    missing = [name for name in expected if name not in entries]
+    if missing:
+        raise CheckpointError(f"{source}: lacks tensor(s) {_names(missing)}, which {config_name} "
+                              "implies")
+    for name, want in expected.items():
+        entry = entries[name]
+        if entry.dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{entry.file}: tensor {name} has dtype {entry.dtype}; a "
+                                  f"weight must be one of {', '.join(WEIGHT_DTYPES)}")
+        if entry.shape != want.shape:
+            raise CheckpointError(
+                f"{entry.file}: tensor {name} has shape {list(entry.shape)} but {config_name} "
+                f"implies {list(want.shape)} = {want.meaning}{_head_dim_note(config)}")
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    return [name for name in entries if name not in expected and name not in ignored
+            and not name.endswith(IGNORED_SUFFIXES)]
+
+
+def has_non_finite(array, dtype: str, chunk_elements=1 << 22) -> bool:
+    """Whether a (memory-mapped) array of safetensors dtype `dtype` (one of FLOAT_BITS) holds a
+    NaN or an infinity. Read in chunks through one small buffer, so no temporary grows with the
+    tensor."""
+    unsigned, magnitude, infinity = FLOAT_BITS[dtype]
+    bits = array.reshape(-1).view(unsigned)
+    buffer = np.empty(min(chunk_elements, bits.size), unsigned)
+    for start in range(0, bits.size, chunk_elements):
+        part = bits[start:start + chunk_elements]
+        out = buffer[:part.size]
+        np.bitwise_and(part, unsigned(magnitude), out=out)
+        if out.max() >= infinity:
+            return True
+    return False
 
 
 def save_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
@@ -143,58 +427,68 @@ class _Progress:
 
 
 def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True) -> ModelWeights:
-    """Load a checkpoint into arrays of module `xp` (numpy or cupy) and dtype `dtype`."""
-    tensors = checkpoint_tensors(model_dir)
-    prefix = "model."
-    needed = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"]
-    if not config.tie_word_embeddings:
-        needed.append("lm_head.weight")
-    missing = [n for n in needed if n not in tensors]
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {missing}")
+    """Load a checkpoint into arrays of module `xp` (numpy or cupy) and dtype `dtype`.
+
+    Every header, byte range, tensor name, dtype and shape is checked before anything is built
+    (CheckpointError); tensors the model does not use and weights holding NaN or infinity are
+    reported with a CheckpointWarning."""
+    model_dir = Path(model_dir)
+    source, entries = read_checkpoint(model_dir)
+    unused = check_checkpoint(source, entries, config, str(model_dir / "config.json"))
+    if unused:
+        warnings.warn(f"{source}: ignoring {len(unused)} tensor(s) that "
+                      f"{model_dir / 'config.json'} does not use: {_names(unused)}",
+                      CheckpointWarning, stacklevel=2)
+    needed = expected_tensors(config)
+    tensors = map_tensors({name: entries[name] for name in needed})
     total_bytes = sum(t.nbytes for t in tensors.values())
     bar = _Progress(len(tensors), total_bytes, progress)
+    non_finite = []
 
-    def get(name, optional=False):
+    def get(name):
+        """The tensor as an xp array of `dtype`; None for one the config does not use (a bias)."""
         if name not in tensors:
-            if optional:
-                return None
-            raise ValueError(f"{model_dir}: checkpoint lacks tensor {name}")
+            return None
         host = tensors[name]
         bar.advance(host.nbytes)
+        if has_non_finite(host, entries[name].dtype):
+            non_finite.append(name)
         # Convert on the host in float32 only when the dtype changes (bf16 -> f16 etc.); a plain
         # upload keeps the peak host memory at one tensor.
         if host.dtype != dtype:
             host = host.astype(np.float32).astype(dtype)
         return xp.ascontiguousarray(xp.asarray(host))
 
-    def fused(names, optional=False):
-        parts = [get(n, optional) for n in names]
-        if any(p is None for p in parts):
-            return None
-        return xp.concatenate(parts, axis=0)
+    def fused(names):
+        parts = [get(n) for n in names]
+        return None if parts[0] is None else xp.concatenate(parts, axis=0)
 
     layers = []
     for i in range(config.num_layers):
-        p = f"{prefix}layers.{i}."
+        p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
         mlp = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
         layers.append(LayerWeights(
             input_norm=get(f"{p}input_layernorm.weight"),
             qkv=fused([n + ".weight" for n in attn]),
-            qkv_bias=fused([n + ".bias" for n in attn], optional=not config.qkv_bias),
+            qkv_bias=fused([n + ".bias" for n in attn]),
             o=get(f"{p}self_attn.o_proj.weight"),
-            o_bias=get(f"{p}self_attn.o_proj.bias", optional=not config.o_bias),
+            o_bias=get(f"{p}self_attn.o_proj.bias"),
             post_norm=get(f"{p}post_attention_layernorm.weight"),
             gate_up=fused([n + ".weight" for n in mlp]),
-            gate_up_bias=fused([n + ".bias" for n in mlp], optional=not config.mlp_bias),
+            gate_up_bias=fused([n + ".bias" for n in mlp]),
             down=get(f"{p}mlp.down_proj.weight"),
-            down_bias=get(f"{p}mlp.down_proj.bias", optional=not config.mlp_bias),
+            down_bias=get(f"{p}mlp.down_proj.bias"),
         ))
-    embed = get(f"{prefix}embed_tokens.weight")
-    norm = get(f"{prefix}norm.weight")
+    embed = get("model.embed_tokens.weight")
+    norm = get("model.norm.weight")
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
     bar.finish()
+    if non_finite:
+        files = sorted({str(entries[n].file) for n in non_finite})
+        warnings.warn(f"{', '.join(files)}: {len(non_finite)} tensor(s) hold NaN or infinity, "
+                      f"so the output will be garbage: {_names(non_finite)}", CheckpointWarning,
+                      stacklevel=2)
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
 
 
