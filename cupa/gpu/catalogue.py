@@ -221,17 +221,18 @@ def expanded_source(filename: str) -> str:
     hipRTC has no include path for package files, so the source is made self-contained here and
     the same text goes to NVRTC, hipRTC and the offline compilers.
     """
-    seen: set[str] = set()
+    seen: set[Path] = set()
 
-    def expand(name: str) -> str:
-        if name in seen:
+    def expand(path: Path) -> str:
+        path = path.resolve()
+        if path in seen:
             return ""
-        seen.add(name)
-        text = (KERNEL_DIR / name).read_text()
-        text = text.replace("#pragma once", "")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+        seen.add(path)
+        text = path.read_text().replace("#pragma once", "")
+        # An include names a file relative to the including one, as a compiler reads it.
+        return _INCLUDE.sub(lambda m: expand(path.parent / m.group(1)), text)
 
-    return expand(filename)
+    return expand(KERNEL_DIR / filename)
 
 
 def module_source(variant) -> str:

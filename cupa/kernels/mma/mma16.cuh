@@ -1,0 +1,170 @@
+// The 16-row kernel: 9-64 query rows as the M=16 rows of each warp's m-tile.
+// A section of decode_mma.cu (which includes the sections in order); see its header.
+#pragma once
+#include "fragments.cuh"
+
+namespace cupa {
+
+// ---- 9-64 query rows: rows are the M=16 rows of a warp's m-tile (S = Q K^T, O = P V). ------
+// The workgroup's rows form up to NWARPS tiles of 16; the warps split evenly over the tiles (one
+// tile: all four warps; two: two each; three or four: one each), and the warps of a tile share
+// the 16-token steps of each staged chunk. Every tile reads the same staged K/V rows.
+template <typename T, typename C, int D>
+CUPA_FN void decode_partition_mma16(
+    CUPA_PARTITION_PARAMS(T, C)) {
+    typedef typename MmaTypeOf<T, C>::type M;
+    typedef KvRing<C, D> R;
+    typedef Frag<C> F;
+    constexpr int TILE_ROWS = 16;           // rows per warp tile = mma M
+    constexpr int NWARPS = CUPA_THREADS / 32;
+    constexpr int ROWS = TILE_ROWS * NWARPS;
+    constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
+    constexpr int KSTEPS = D / 16;          // k16 steps of the head dim
+    constexpr int NT = D / 8;               // dim tiles = n-tiles of the output
+    static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
+
+    extern __shared__ cupa_u32x4 dynamic_shared[];
+    __shared__ float m_s[NWARPS][TILE_ROWS], l_s[NWARPS][TILE_ROWS];
+    if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, TILE_ROWS>()) __trap();
+
+    PartitionWork w;
+    KvStream<C, D> kv;
+    if (!begin_stream<T, C, ROWS, D>(w, kv, reinterpret_cast<unsigned char*>(dynamic_shared),
+                                     CUPA_PARTITION_ARGS))
+        return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, c = lane & 3;
+    const int tiles = (w.nh + TILE_ROWS - 1) / TILE_ROWS;
+    const int warps_per_tile = NWARPS / tiles;
+    const int tile = warp / warps_per_tile, slot = warp % warps_per_tile;
+    const int r_lo = tile * TILE_ROWS + g, r_hi = r_lo + 8;  // this lane's local rows
+    const typename KvStep<C, D, false>::Lanes lanes = KvStep<C, D, false>::lanes(lane);
+
+    // Q as A fragments, in the head-dim order of K (Frag::q_dim). Rows past the chunk are zero.
+    u32 qf[KSTEPS][4];
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            qf[s][2 * h] = query_pair<T, M, D>(query, w, r_lo, F::q_dim(s, h, c));
+            qf[s][2 * h + 1] = query_pair<T, M, D>(query, w, r_hi, F::q_dim(s, h, c));
+        }
+    }
+    const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
+    RowMask mask_lo, mask_hi;
+    mask_lo.init(w, r_lo, alibi_slopes, sliding_window);
+    mask_hi.init(w, r_hi, alibi_slopes, sliding_window);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m_lo = neg_inf(), m_hi = neg_inf();  // running max of rows r_lo and r_hi (log2 domain)
+    float l_lo = 0.f, l_hi = 0.f;              // this lane's share of the running sums
+
+    // A warp without a tile (three tiles on four warps) only helps with the copies.
+    constexpr int STEPS = R::CHUNK / STEP;  // 16-token steps of a chunk
+    const int first_step = tile < tiles ? slot : STEPS;
+    for (int i = 0; i < kv.chunks; ++i) {
+        const unsigned char* stage = kv.stage(i);
+        for (int step = first_step; step < STEPS; step += warps_per_tile) {
+            const int base = w.start + i * R::CHUNK + step * STEP;
+            KvStep<C, D, false> cur;
+            cur.load(stage, step * STEP, lanes);
+            bool v_valid[4];  // tokens 2c, 2c + 1, 2c + 8, 2c + 9 of the step
+#pragma unroll
+            for (int t = 0; t < 4; ++t)
+                v_valid[t] = kv.readable(i, step * STEP + 2 * c + (t & 1) + 8 * (t >> 1));
+
+            // S = Q K^T for tokens base + 0..7 (s0) and base + 8..15 (s1), each summed in two
+            // independent accumulators (even and odd k16 steps) to halve the chain of
+            // dependent mma's.
+            float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+            float s0b[4] = {0.f, 0.f, 0.f, 0.f}, s1b[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < KSTEPS; ++s) {
+                MmaOp<M>::run((s & 1) ? s0b : s0, qf[s], cur.k_op(s, 0, 0), cur.k_op(s, 1, 0));
+                MmaOp<M>::run((s & 1) ? s1b : s1, qf[s], cur.k_op(s, 0, 1), cur.k_op(s, 1, 1));
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s0[e] += s0b[e];
+                s1[e] += s1b[e];
+            }
+            // Scale, soft-cap, ALiBi, masks. Element e: row r_lo (e & 2 == 0) or r_hi, token
+            // 2c + (e & 1) + 8 (e >> 2).
+            float s[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] = e < 4 ? s0[e] : s1[e - 4];
+            scale_and_cap<8>(s, qk_scale, soft_cap);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int tok = (e & 1) | ((e & 4) >> 1);  // 0: 2c, 1: 2c+1, 2: 2c+8, 3: 2c+9
+                const int t = base + 2 * c + (e & 1) + (e & 4 ? 8 : 0);
+                s[e] = ((e & 2) ? mask_hi : mask_lo).logit(s[e], t, v_valid[tok]);
+            }
+            // Online softmax per row; the four lanes of a quad share a row.
+            float mx_lo = max_f(max_f(s[0], s[1]), max_f(s[4], s[5]));
+            float mx_hi = max_f(max_f(s[2], s[3]), max_f(s[6], s[7]));
+            float corr_lo = 1.f, corr_hi = 1.f;
+            float use_lo = subtrahend(m_lo), use_hi = subtrahend(m_hi);
+            bool moved = false;
+            if (__any_sync(0xffffffffu, passes_max(mx_lo, m_lo) || passes_max(mx_hi, m_hi))) {
+                mx_lo = max_f(mx_lo, warp_xor(mx_lo, 1));
+                mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
+                mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
+                mx_hi = max_f(mx_hi, warp_xor(mx_hi, 2));
+                moved = update_max(m_lo, mx_lo, corr_lo, use_lo) |
+                        update_max(m_hi, mx_hi, corr_hi, use_hi);
+                l_lo *= corr_lo;
+                l_hi *= corr_hi;
+            }
+            float p[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) p[e] = fast_exp2(s[e] - ((e & 2) ? use_hi : use_lo));
+            l_lo += p[0] + p[1] + p[4] + p[5];
+            l_hi += p[2] + p[3] + p[6] + p[7];
+            // P as the A fragment: rows r_lo / r_hi, tokens 2c.. (k 0-7) and 8 + 2c.. (k 8-15).
+            u32 pf[4];
+            pf[0] = MmaOp<M>::pack(p[0], p[1]);
+            pf[1] = MmaOp<M>::pack(p[2], p[3]);
+            pf[2] = MmaOp<M>::pack(p[4], p[5]);
+            pf[3] = MmaOp<M>::pack(p[6], p[7]);
+            if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;
+                    acc[j][2] *= corr_hi; acc[j][3] *= corr_hi;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                MmaOp<M>::run(acc[j], pf, cur.v_op(j, 0), cur.v_op(j, 1));
+        }
+    }
+    kv.end_copies();
+
+    // Each warp leaves its rows' max, sum and unnormalised output for the merge.
+    float (*o_s)[TILE_ROWS][D] = reinterpret_cast<float (*)[TILE_ROWS][D]>(dynamic_shared);
+    l_lo += warp_xor(l_lo, 1);
+    l_lo += warp_xor(l_lo, 2);
+    l_hi += warp_xor(l_hi, 1);
+    l_hi += warp_xor(l_hi, 2);
+    if (c == 0) {
+        m_s[warp][g] = m_lo; m_s[warp][g + 8] = m_hi;
+        l_s[warp][g] = l_lo; l_s[warp][g + 8] = l_hi;
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int d0 = F::dim(j, 2 * c), d1 = F::dim(j, 2 * c + 1);
+        o_s[warp][g][d0] = acc[j][0];
+        o_s[warp][g][d1] = acc[j][1];
+        o_s[warp][g + 8][d0] = acc[j][2];
+        o_s[warp][g + 8][d1] = acc[j][3];
+    }
+    __syncthreads();
+    merge_warps_and_store<T, D, TILE_ROWS, NWARPS>(
+        o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum, sinks, w, warps_per_tile,
+        v_factor(kv_scales, w.kv_head, num_kv_heads), max_partitions, cluster_merge);
+}
+
+}  // namespace cupa

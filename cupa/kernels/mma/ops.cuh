@@ -1,0 +1,64 @@
+// The tensor cores' operations: the 16-bit type they multiply in, query pairs and mma.sync m16n8k16.
+// A section of decode_mma.cu (which includes the sections in order); see its header.
+#pragma once
+#include "../common.cuh"
+#include "../decode_common.cuh"
+
+// Workgroups per multiprocessor the register allocation must allow (a tuning knob).
+#ifndef CUPA_MMA_MIN_BLOCKS
+#define CUPA_MMA_MIN_BLOCKS 1
+#endif
+
+namespace cupa {
+
+// The 16-bit type the tensor cores multiply in: the query's, or float16 for an fp8 cache (its
+// codes widen exactly to float16; a bfloat16 query is rounded to float16, which keeps its 8
+// mantissa bits and loses only magnitudes outside float16's range).
+template <typename T, typename C> struct MmaTypeOf { typedef T type; };
+template <typename T> struct MmaTypeOf<T, cupa_fp8> { typedef cupa_f16 type; };
+template <typename T> struct MmaTypeOf<T, cupa_fp8_e4m3> { typedef cupa_f16 type; };
+
+// Two consecutive query elements of type T as a packed pair of the mma type M.
+template <typename T, typename M> struct QPair {
+    CUPA_FN static u32 load(const T* p) {
+        float f[2];
+        Elem<T>::widen_word(*reinterpret_cast<const u32*>(p), f);
+        return Elem<M>::narrow_word(f[0], f[1]);
+    }
+};
+template <typename T> struct QPair<T, T> {
+    CUPA_FN static u32 load(const T* p) { return *reinterpret_cast<const u32*>(p); }
+};
+
+template <typename T> struct MmaOp;
+
+template <> struct MmaOp<cupa_f16> {
+    CUPA_FN static void run(float* d, const u32* a, u32 b0, u32 b1) {
+        asm(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // Two floats to a packed pair, the first in the low half.
+    CUPA_FN static u32 pack(float lo, float hi) {
+        return (u32)float_to_half_bits(lo) | ((u32)float_to_half_bits(hi) << 16);
+    }
+};
+
+template <> struct MmaOp<cupa_bf16> {
+    CUPA_FN static void run(float* d, const u32* a, u32 b0, u32 b1) {
+        asm(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    CUPA_FN static u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+}  // namespace cupa

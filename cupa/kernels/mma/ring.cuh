@@ -1,0 +1,227 @@
+// K/V staging: cp.async copies into a ring of shared-memory stages, several chunks ahead of the warps.
+// A section of decode_mma.cu (which includes the sections in order); see its header.
+#pragma once
+#include "merge.cuh"
+
+namespace cupa {
+
+// ---- K/V staging ---------------------------------------------------------------------------
+// The workgroup copies its partition's K/V rows into a ring of STAGES chunks of CHUNK tokens in
+// shared memory, STAGES - 1 chunks ahead of the chunk the warps compute on. The copies hold no
+// registers while in flight, so a workgroup keeps 24-64 KB of loads outstanding, and the warps of
+// every row tile read the same staged rows (each K/V byte crosses from DRAM once per workgroup,
+// whatever the number of rows).
+
+// 16 (4) bytes global -> shared; with valid == false nothing is read and the bytes are zeroed.
+CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+CUPA_FN void copy4_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+CUPA_FN void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING> CUPA_FN void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+CUPA_FN u32 dynamic_shared_bytes() {
+    u32 n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+
+// Layout of one stage: K rows, then V rows (CHUNK rows of ROW_BYTES each). After the stages:
+// ID_SLOTS slots of CHUNK block ids (the block of each token of a chunk), which arrive by
+// cp.async STAGES - 1 chunks ahead of the K/V copies that need them and also tell the warps
+// which rows are readable (see KvStream::readable). variants.DecodeMmaVariant.shared_bytes
+// mirrors BYTES.
+template <typename C, int D>
+struct KvRing {
+    // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
+    // at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and softmax
+    // reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit step's
+    // work for half the bytes), else one. (At head 64 the larger ring cost the fp8 kernel its
+    // fifth workgroup per multiprocessor: slower where the grid needed them, docs/perf-log.md v12.)
+    static constexpr int WARP_STEPS = sizeof(C) == 1 && D == 128 ? 2 : 1;
+    static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
+    static constexpr int ROW_BYTES = D * (int)sizeof(C);
+    static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
+    static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
+    static constexpr int STAGE_BYTES = 2 * KV_BYTES;
+    // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
+    // of float16 at head 256, where 2 stages are what fits sm_80's 163 KB (and one workgroup
+    // per multiprocessor on sm_90).
+    static constexpr int STAGES = KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
+    static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
+    static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
+    static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
+    // A copy pass is one cp.async a thread: whole rows, a warp's instruction covering 512
+    // contiguous bytes (2-4 rows). Rows ROWS_PER_PASS apart share a swizzle (see pass_offset).
+    static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;
+    static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
+    static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
+                  "ring layout: a thread's copy rows share their swizzle (see pass_offset)");
+    static_assert(CHUNK <= CUPA_THREADS, "one thread copies each token's block id");
+    // A thread's rows in passes p and p + PHASES are 32 tokens apart: the same row of their
+    // blocks, 32 being the largest block size (validation.SUPPORTED_BLOCK_SIZES). So each
+    // phase's in-block offset is set once (KvStream::begin), and a row's address is one
+    // multiply-add on its block id.
+    static constexpr int MAX_BLOCK_SIZE = 32;
+    static constexpr int PHASES = ROWS_PER_PASS >= MAX_BLOCK_SIZE ? 1 : MAX_BLOCK_SIZE / ROWS_PER_PASS;
+    static_assert(CHUNK % MAX_BLOCK_SIZE == 0, "chunks start at the same row of a block");
+
+    // Unit u of row r is stored at unit u ^ swizzle(r), so the 8 rows an ldmatrix reads at one
+    // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups; 64-byte rows (fp8
+    // at head 64) pair up in a 128-byte line. (A 16-byte row pad does the same and was measured
+    // 7% slower at 1 GB: it misaligns the 128-byte cp.async writes.)
+    CUPA_FN static int swizzle(int r) { return UNITS >= 8 ? (r & 7) : ((r >> 1) & 3); }
+
+    // Where a thread's copy of pass p lands, from its pass-0 offset `dst` (row r0 < ROWS_PER_PASS).
+    // Passes of 8 or more rows keep the row's swizzle; with 4-row passes (512-byte rows) the odd
+    // passes' rows r0 + 4 (mod 8) flip bit 2 of the swizzle, i.e. 64 bytes of the offset.
+    CUPA_FN static int pass_offset(int dst, int p) {
+        const bool same = ROWS_PER_PASS % 8 == 0 || (p & 1) == 0;
+        return p * ROWS_PER_PASS * ROW_BYTES + (same ? dst : dst ^ 64);
+    }
+};
+
+// The copy side of the ring. Thread i copies unit i % UNITS of rows i / UNITS + p * ROWS_PER_PASS
+// of each chunk (a warp covers whole rows: coalesced). The block ids a chunk's copies need come
+// from the ring's id slots, themselves filled by cp.async: those of chunk k travel in the copy
+// group of chunk k - STAGES + 1, so they have landed when the wait for that chunk returns, and no
+// copy ever waits on a block-table read.
+//   groups: [ids 0 .. 2S-3] (waited for in begin), then G_j = {K/V of chunk j, ids of j + S - 1}
+//   stage(i): wait for G_0 .. G_i, copy chunk i + S - 1 (its ids came with G_i), ids of i + 2S - 2
+//   id slot of chunk k: k % 2S; its previous chunk k - 2S was computed on before the barrier of
+//   stage k - 2S + 1, and the slot is refilled after the barrier of stage k - 2S + 2.
+// Rows past the partition's end or in a block outside the cache are zero-filled (never read).
+template <typename C, int D>
+struct KvStream {
+    typedef KvRing<C, D> R;
+    unsigned char* ring;
+    // This thread's unit of its rows of phase f (passes p with p % PHASES == f) in block 0: the
+    // row's address in block b is b * block_bytes past it.
+    const unsigned char* k_src[R::PHASES];
+    const unsigned char* v_src[R::PHASES];
+    const i32* table;
+    u32 block_bytes;  // bytes from one block to the next (all KV heads)
+    int shift, end, num_blocks;
+    int dst, start, chunks;
+
+    CUPA_FN const i32* id_slot(int chunk) const {
+        return reinterpret_cast<const i32*>(ring + R::IDS_OFFSET) + (chunk % R::ID_SLOTS) * R::CHUNK;
+    }
+
+    // Whether row r of `chunk` holds a token of the partition from a block inside the cache
+    // (valid while the warps compute on the chunk).
+    CUPA_FN bool readable(int chunk, int r) const {
+        return start + chunk * R::CHUNK + r < end && (u32)id_slot(chunk)[r] < (u32)num_blocks;
+    }
+
+    // Thread t < CHUNK starts copying the block id of token t of `chunk` (zero past the end:
+    // the readers check the end themselves).
+    CUPA_FN void copy_ids(int chunk) {
+        const int t = start + chunk * R::CHUNK + (int)threadIdx.x;
+        if ((int)threadIdx.x < R::CHUNK && chunk < chunks) {
+            const bool ok = t < end;
+            i32* slot = const_cast<i32*>(id_slot(chunk)) + threadIdx.x;
+            copy4_async(slot, table + (ok ? t >> shift : 0), ok);
+        }
+    }
+
+    CUPA_FN void copy_chunk(int chunk) {
+        unsigned char* stage = ring + (chunk % R::STAGES) * R::STAGE_BYTES;
+        const int r0 = threadIdx.x / R::UNITS;
+        const i32* ids = id_slot(chunk) + r0;
+        const int t0 = start + chunk * R::CHUNK + r0;
+#pragma unroll
+        for (int p = 0; p < R::PASSES; ++p) {
+            const i32 id = ids[p * R::ROWS_PER_PASS];
+            const bool ok = t0 + p * R::ROWS_PER_PASS < end && (u32)id < (u32)num_blocks;
+            // A row that is not copied reads nothing; its address stays inside the cache.
+            const u32 block = ok ? (u32)id : 0u;
+            unsigned char* to = stage + R::pass_offset(dst, p);
+            copy16_async(to, offset_wide(k_src[p % R::PHASES], block, block_bytes), ok);
+            copy16_async(to + R::KV_BYTES, offset_wide(v_src[p % R::PHASES], block, block_bytes), ok);
+        }
+    }
+
+    // Fetches the block ids of the first 2 STAGES - 2 chunks of tokens [start_, rows.end) (one
+    // round trip), then starts the K/V copies of the first STAGES - 1 chunks.
+    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows,
+                       int start_) {
+        ring = ring_;
+        const int u = threadIdx.x % R::UNITS;
+        const int r0 = threadIdx.x / R::UNITS;
+        // Chunks start multiples of 32 tokens apart, so phase f's rows all sit at row
+        // (start_ + r0 + f * ROWS_PER_PASS) mod block_size of their blocks.
+#pragma unroll
+        for (int f = 0; f < R::PHASES; ++f) {
+            const int row = (start_ + r0 + f * R::ROWS_PER_PASS) & ((1 << rows.shift) - 1);
+            const i64 unit = (rows.head_offset + (i64)row * D) * (i64)sizeof(C) + 16 * u;
+            k_src[f] = pinned(reinterpret_cast<const unsigned char*>(k) + unit);
+            v_src[f] = pinned(reinterpret_cast<const unsigned char*>(v) + unit);
+        }
+        table = rows.table;
+        block_bytes = (u32)(rows.block_stride * (i64)sizeof(C));
+        shift = rows.shift;
+        end = rows.end;
+        num_blocks = rows.num_blocks;
+        dst = pinned(r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0)));
+        start = start_;
+        chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
+#pragma unroll
+        for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
+        commit_copies();
+        wait_copies<0>();
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < R::STAGES - 1; ++k) {
+            if (k < chunks) copy_chunk(k);
+            commit_copies();  // empty groups too: the wait below counts groups
+        }
+    }
+
+    // Waits until chunk i has landed (for every thread), starts chunk i + STAGES - 1 into the
+    // stage chunk i - 1 used (every warp is past it: the barrier) and the ids of chunk
+    // i + 2 STAGES - 2, returns chunk i's stage.
+    CUPA_FN const unsigned char* stage(int i) {
+        wait_copies<R::STAGES - 2>();
+        __syncthreads();
+        const int next = i + R::STAGES - 1;
+        if (next < chunks) copy_chunk(next);
+        copy_ids(i + 2 * R::STAGES - 2);
+        commit_copies();
+        return ring + (i % R::STAGES) * R::STAGE_BYTES;
+    }
+
+    // After the last chunk: the ring's memory may be reused (the warp merge).
+    CUPA_FN void end_copies() {
+        wait_copies<0>();
+        __syncthreads();
+    }
+};
+
+// The tensor-core kernels' prologue: which work this workgroup owns (begin_partition) and the
+// start of its K/V stream. Returns false when the workgroup has no work. (Requesting the first
+// block ids before the sequence's length was tried: level where every workgroup works, and
+// workgroups with no work, such as those before a sliding window, then had to wait for ids
+// they never used; docs/perf-log.md v13.)
+template <typename T, typename C, int ROWS, int D>
+CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D>& kv, unsigned char* ring,
+                          CUPA_PARTITION_PARAMS(T, C)) {
+    if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
+                                     sliding_window, num_tokens, num_heads, num_kv_heads,
+                                     block_size, max_blocks_per_seq, partition_size,
+                                     max_partitions, head_chunks, cluster_merge))
+        return false;
+    kv.begin(ring, key_cache, value_cache,
+             paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads, block_size,
+                        num_blocks, D),
+             w.start);
+    return true;
+}
+
+}  // namespace cupa
