@@ -27,10 +27,11 @@ import numpy as np
 
 import cupa
 
-from .graphs import (DecodeGraphs, StepRows, bucket_for, graph_blocker, paged_decode_formats,
-                     resolve_graphs)
+from .baseline_attention import naive_decode_attention
+from .graphs import DecodeGraphs, StepRows, bucket_for, graph_blocker, resolve_graphs
 from .model import Model
 from .sampling import SamplingParams, sample, sequence_rng
+from .step_attention import decode_query, paged_decode_formats, write_then_attend
 
 from cupa import OutOfBlocksError
 
@@ -221,20 +222,18 @@ class Engine:
         slots = xp.asarray(np.concatenate([np.asarray(s).reshape(-1) for _, s in admitted]))
         tokens = xp.asarray(np.concatenate([seq.token_ids for seq in seqs]).astype(np.int64))
         positions = xp.asarray(np.concatenate([np.arange(n) for n in lengths]))
-        kv_dtype = model.dtype
         groups = prefill_groups(lengths, model.config.num_heads)
 
-        def attend(layer, q, k, v):
-            # cache.write quantises when the cache is fp8; the prompt's own attention below uses
-            # the unquantised K/V (as fp8 engines do), only later decode steps read the codes.
-            self.cache.write(layer, slots, k.astype(kv_dtype, copy=False),
-                             v.astype(kv_dtype, copy=False))
+        def prompt_attention(layer, q, k, v):
+            # The prompt's own attention uses the unquantised K/V (as fp8 engines do); only later
+            # decode steps read the codes cache.write stores.
             out = xp.empty(q.shape, dtype=np.float32)
             for first, count, length in groups:
                 rows = slice(first, first + count * length)
                 out[rows] = model.causal_attention(q[rows], k[rows], v[rows], num_seqs=count)
             return out
 
+        attend = write_then_attend(self.cache, slots, model.dtype, prompt_attention)
         logits = model.forward(tokens, positions, attend, last_rows=xp.asarray(bounds[1:] - 1))
         self.running.extend(seqs)
         self._sample_and_append(seqs, logits)
@@ -269,20 +268,23 @@ class Engine:
         max_len = max(s.num_tokens for s in seqs)  # = seq_len after extend; no device read
         kv_dtype, query_dtype, fp8 = paged_decode_formats(model, self.cache)
 
-        def attend(layer, q, k, v):
-            self.cache.write(layer, slots, k.astype(kv_dtype, copy=False),
-                             v.astype(kv_dtype, copy=False))
-            key_cache, value_cache = self.cache.key_cache(layer), self.cache.value_cache(layer)
-            if self.attention == "naive":
-                return naive_decode_attention(xp, q, key_cache, value_cache, block_tables,
-                                              seq_lens, max_len, model.scale, **fp8)
-            # The output stays in the query dtype: the output projection casts it to the weight
-            # dtype anyway (a float16 -> float32 -> float16 round trip would be exact, and two
-            # more kernels).
-            return cupa.decode(xp.ascontiguousarray(q.astype(query_dtype, copy=False)),
-                               key_cache, value_cache, block_tables, seq_lens, scale=model.scale,
-                               max_seq_len=max_len, backend=self.backend, **fp8)
+        cache = self.cache
+        if self.attention == "naive":
+            def attention(layer, q, k, v):
+                return naive_decode_attention(xp, q, cache.key_cache(layer),
+                                              cache.value_cache(layer), block_tables, seq_lens,
+                                              max_len, model.scale, **fp8)
+        else:
+            def attention(layer, q, k, v):
+                # The output stays in the query dtype: the output projection casts it to the
+                # weight dtype anyway (a float16 -> float32 -> float16 round trip would be
+                # exact, and two more kernels).
+                return cupa.decode(decode_query(xp, q, query_dtype), cache.key_cache(layer),
+                                   cache.value_cache(layer), block_tables, seq_lens,
+                                   scale=model.scale, max_seq_len=max_len, backend=self.backend,
+                                   **fp8)
 
+        attend = write_then_attend(cache, slots, kv_dtype, attention)
         logits = model.forward(tokens, positions, attend)
         self._sample_and_append(seqs, logits)
 
@@ -398,34 +400,6 @@ def prefill_groups(lengths, num_heads: int, budget: int = PREFILL_SCORES_BUDGET)
         row += count * length
         i += count
     return groups
-
-
-def naive_decode_attention(xp, q, key_cache, value_cache, block_tables, seq_lens, max_len, scale,
-                           kv_format=None, k_scale=None, v_scale=None):
-    """Decode attention without a paged kernel: gather every sequence's blocks into dense
-    [seqs, kv_heads, max_len, d] arrays, then matmul, masked softmax, matmul (float32).
-    With an fp8 kv_format the caches hold codes, dequantised with k_scale / v_scale
-    (float32 [kv_heads]) after the gather."""
-    num_seqs, heads, dim = q.shape
-    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    group = heads // kv_heads
-    # Unused table entries are -1; clamp them to a real block (its rows are masked out below).
-    blocks = xp.maximum(block_tables[:, :math.ceil(max_len / block_size)], 0)
-
-    def gather(cache, kv_scale):  # [seqs, nb, KV, bs, d] -> [seqs, KV, nb * bs, d]
-        dense = cache[blocks].transpose(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, dim)
-        if kv_format:
-            return cupa.dequantize_fp8(dense, kv_format, kv_scale[:, None, None])
-        return dense.astype(np.float32)
-
-    keys, values = gather(key_cache, k_scale), gather(value_cache, v_scale)
-    qg = q.astype(np.float32).reshape(num_seqs, kv_heads, group, dim)
-    scores = (qg @ keys.transpose(0, 1, 3, 2)) * np.float32(scale)    # [seqs, KV, group, L]
-    valid = xp.arange(keys.shape[2])[None, :] < seq_lens[:, None]
-    scores = xp.where(valid[:, None, None, :], scores, np.float32(-np.inf))
-    scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = scores / scores.sum(axis=-1, keepdims=True)
-    return (probs @ values).reshape(num_seqs, heads, dim)
 
 
 def _is_hip(cupy) -> bool:

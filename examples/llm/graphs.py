@@ -42,6 +42,7 @@ import numpy as np
 import cupa
 
 from .cublas import GraphGemm
+from .step_attention import decode_query, paged_decode_formats, write_then_attend
 
 # Batch-size buckets: fine steps where batches are small (the padding would be a large share),
 # coarser ones above. Padding rows cost little: decode matmuls read the weights once whatever the
@@ -106,17 +107,6 @@ def resolve_graphs(requested, blocker: str | None) -> bool:
         raise ValueError(f"graphs=True: {blocker}; pass graphs=False (or None to decide "
                          f"automatically)")
     return requested
-
-
-def paged_decode_formats(model, cache):
-    """(K/V row dtype, query dtype, fp8 keyword arguments) of paged decode on `cache`."""
-    kv_dtype = query_dtype = model.dtype
-    fp8 = {}
-    if cache.kv_format:  # uint8 codes: cupa.decode needs the format and scales
-        fp8 = dict(kv_format=cache.kv_format, k_scale=cache.k_scale, v_scale=cache.v_scale)
-        if query_dtype == np.float32:  # fp8 decode takes float16 / bfloat16 queries only
-            query_dtype = np.dtype(np.float16)
-    return kv_dtype, query_dtype, fp8
 
 
 # --- static inputs -------------------------------------------------------------------------------
@@ -323,16 +313,13 @@ class DecodeGraphs:
 
     def _forward(self, inputs: StepArrays, plan):
         """The captured step: forward over the static inputs, then the greedy choice."""
-        cupy, cache = self._cupy, self.cache
-        kv_dtype, query_dtype = self.kv_dtype, self.query_dtype
+        cupy, cache, query_dtype = self._cupy, self.cache, self.query_dtype
 
-        def attend(layer, q, k, v):
-            cache.write(layer, inputs.slots, k.astype(kv_dtype, copy=False),
-                        v.astype(kv_dtype, copy=False))
-            query = cupy.ascontiguousarray(q.astype(query_dtype, copy=False))
-            return plan.run(query, cache.key_cache(layer), cache.value_cache(layer),
-                            inputs.block_tables, inputs.seq_lens)
+        def attention(layer, q, k, v):
+            return plan.run(decode_query(cupy, q, query_dtype), cache.key_cache(layer),
+                            cache.value_cache(layer), inputs.block_tables, inputs.seq_lens)
 
+        attend = write_then_attend(cache, inputs.slots, self.kv_dtype, attention)
         logits = self.model.forward(inputs.token_ids, inputs.positions, attend,
                                     matmul=self.gemm)
         return logits, cupy.argmax(logits, axis=-1)
