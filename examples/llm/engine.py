@@ -35,6 +35,26 @@ from .step_attention import decode_query, paged_decode_formats, write_then_atten
 
 from cupa import OutOfBlocksError
 
+# Blocks the admission rule keeps free per running sequence: a sequence is admitted next to
+# others only if, after its prompt's blocks, this many per running sequence (itself included)
+# stay free, so that the next decode step, where each sequence may open a new block, does not
+# have to preempt at once.
+ADMISSION_RESERVE_BLOCKS = 1
+
+
+class CacheTooSmallWarning(RuntimeWarning):
+    """A sequence stopped (finish_reason 'cache_too_small') because the KV cache cannot hold it."""
+
+
+def blocks_to_run_together(token_counts, block_size: int) -> int:
+    """Cache blocks with which sequences growing to `token_counts` tokens are all admitted in
+    one step (as far as max_batch and max_prefill_tokens allow) and then never preempted: each
+    one's blocks at full length plus its admission reserve. Blocks at full length alone are not
+    enough: the admission rule would then hold back the last prompts until others finish."""
+    counts = list(token_counts)
+    full_length = sum(math.ceil(n / block_size) for n in counts)
+    return full_length + ADMISSION_RESERVE_BLOCKS * len(counts)
+
 
 @dataclass
 class Sequence:
@@ -43,7 +63,9 @@ class Sequence:
     params: SamplingParams
     rng: np.random.Generator
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None   # 'stop' (EOS), 'length', or 'cache_too_small'
+    # 'stop' (EOS), 'length' (max_new_tokens or the model's context), or 'cache_too_small' (the
+    # KV cache cannot hold the prompt, or the sequence once it runs alone and fills every block)
+    finish_reason: str | None = None
     preemptions: int = 0
 
     @property
@@ -164,8 +186,8 @@ class Engine:
         return math.ceil(num_tokens / self.block_size)
 
     def _admit(self) -> list[tuple[Sequence, object]]:
-        """Move waiting sequences to running while their blocks fit, keeping one spare block per
-        running sequence so the next decode step does not have to preempt at once."""
+        """Move waiting sequences to running while their blocks fit, keeping
+        ADMISSION_RESERVE_BLOCKS free per running sequence (blocks_to_run_together counts them)."""
         admitted, tokens = [], 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             seq = self.waiting[0]
@@ -175,7 +197,7 @@ class Engine:
                 self._finish(seq, "cache_too_small" if need > self.total_blocks else "length")
                 continue
             alone = not self.running and not admitted
-            reserve = len(self.running) + len(admitted) + 1
+            reserve = ADMISSION_RESERVE_BLOCKS * (len(self.running) + len(admitted) + 1)
             if not alone and (self.cache.num_free_blocks - need < reserve
                               or tokens + seq.num_tokens > self.max_prefill_tokens):
                 break
@@ -201,8 +223,9 @@ class Engine:
                                  for s in self.running], dtype=np.int64)
             except OutOfBlocksError:
                 if len(self.running) == 1:
-                    # Alone and still out of blocks: the cache cannot hold a longer sequence.
-                    self._finish(self.running[0], "length")
+                    # Alone and still out of blocks: it holds every block of the cache, which
+                    # cannot hold a longer sequence.
+                    self._finish(self.running[0], "cache_too_small")
                     return None
                 victim = self.running.pop()
                 self.cache.free(victim.seq_id)
@@ -376,8 +399,19 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
-        if self.on_token is not None and reason == "cache_too_small":
-            self.on_token(seq, None)
+        if reason == "cache_too_small":
+            warnings.warn(self._cache_too_small_message(seq), CacheTooSmallWarning,
+                          stacklevel=2)
+            if self.on_token is not None:
+                self.on_token(seq, None)
+
+    def _cache_too_small_message(self, seq: Sequence) -> str:
+        wanted = len(seq.prompt_ids) + seq.params.max_new_tokens
+        return (f"sequence {seq.seq_id} stopped after {len(seq.output_ids)} of "
+                f"{seq.params.max_new_tokens} new tokens ({len(seq.prompt_ids)}-token prompt): "
+                f"the KV cache is too small ({self.total_blocks} blocks of {self.block_size} "
+                f"tokens); raise num_blocks (generate.py: --num-blocks) to at least "
+                f"{self._blocks_for(wanted)}, or the block size")
 
 
 # Most float32 attention scores (heads x length^2 per sequence) one batched prefill attention

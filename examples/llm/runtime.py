@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import ml_dtypes
 import numpy as np
 
@@ -12,6 +10,7 @@ from cupa.api import resolve_backend
 from cupa.fp8 import FP8_FORMATS, default_kv_format
 
 from .config import load_config
+from .engine import blocks_to_run_together
 from .model import Model
 from .weights import load_weights
 
@@ -75,9 +74,10 @@ def block_bytes(model: Model, block_size: int, kv_format=None) -> int:
 
 def default_num_blocks(model: Model, block_size: int, token_counts, backend: str,
                        memory_fraction: float = 0.8, kv_format=None) -> int:
-    """Enough blocks for every request at full length at once, capped on the GPU by a fraction
-    of free device memory (the engine then waits or preempts instead)."""
-    need = sum(math.ceil(n / block_size) for n in token_counts) or 1
+    """Enough blocks for every request at full length at once, plus the engine's admission
+    reserve, so that all of them are admitted together (engine.blocks_to_run_together); capped
+    on the GPU by a fraction of free device memory (the engine then waits or preempts instead)."""
+    need = blocks_to_run_together(token_counts, block_size) or 1
     if backend == "gpu":
         import cupy
         free, _ = cupy.cuda.Device().mem_info

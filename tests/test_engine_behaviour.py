@@ -1,0 +1,260 @@
+"""The example engine's scheduling, finish reasons and platform choices, on the CPU.
+
+The numpy backend runs the whole engine; what only a GPU can run (graph capture, hipBLAS, the
+bfloat16 decision on ROCm) is checked through its bookkeeping with simulated platforms and fake
+objects. tests/test_gpu_examples.py runs the real thing on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupa
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from llm import engine as engine_module  # noqa: E402
+from llm import step_attention  # noqa: E402
+from llm.engine import (ADMISSION_RESERVE_BLOCKS, CacheTooSmallWarning, Engine,  # noqa: E402
+                        blocks_to_run_together)
+from llm.graphs import DecodeGraphs, StepLayout, StepRows, table_width  # noqa: E402
+from llm.runtime import default_num_blocks, load_model, make_cache  # noqa: E402
+from llm.sampling import SamplingParams  # noqa: E402
+from make_tiny_llama import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny float32 Llama checkpoint (2 layers, 4 / 2 heads of 64, vocab 320)."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """The same model with a 12-token context (max_position_embeddings), to reach the model's
+    length limit with a roomy cache."""
+    path = make_checkpoint(tmp_path_factory.mktemp("tiny") / "short", tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 12
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def numpy_engine(path, num_blocks, block_size, **engine_kwargs):
+    model, _ = load_model(path, backend="numpy", progress=False)
+    cache = make_cache(model, num_blocks, block_size, "numpy")
+    return Engine(model, cache, backend="numpy", **engine_kwargs)
+
+
+def generate(engine, prompts, max_new_tokens, **params):
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
+            for p, n in zip(prompts, max_new_tokens)]
+    engine.run()
+    return seqs
+
+
+# --- goal: the default cache admits every prompt together ---------------------------------------
+
+def test_blocks_to_run_together_counts_the_admission_reserve():
+    # 3 + 8 and 4 + 8 tokens: one block of 16 each at full length, plus one reserve block each.
+    assert ADMISSION_RESERVE_BLOCKS == 1
+    assert blocks_to_run_together([11, 12], 16) == 2 + 2
+    assert blocks_to_run_together([16, 17, 1], 16) == (1 + 2 + 1) + 3
+    assert blocks_to_run_together([], 16) == 0
+
+
+def test_default_cache_decodes_two_prompts_in_one_batch(tiny):
+    # The brief's case: 2 prompts x 8 new tokens. One prefill gives each its first token, so
+    # running together they need 7 decode steps; one after the other they needed 14.
+    prompts, new = [[1, 2, 3], [1, 5, 6, 7]], 8
+    model, _ = load_model(tiny, backend="numpy", progress=False)
+    blocks = default_num_blocks(model, 16, [len(p) + new for p in prompts], "numpy")
+    engine = Engine(model, make_cache(model, blocks, 16, "numpy"), backend="numpy")
+    seqs = generate(engine, prompts, [new, new])
+    assert engine.stats.decode_steps <= new
+    assert engine.stats.decode_steps == new - 1 and engine.stats.preemptions == 0
+    assert [s.finish_reason for s in seqs] == ["length", "length"]
+    roomy = generate(numpy_engine(tiny, 64, 16), prompts, [new, new])
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in roomy]
+    assert engine.cache.num_free_blocks == blocks
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_default_cache_admits_every_prompt_at_the_first_step(tiny, case):
+    rng = np.random.default_rng(100 + case)
+    block_size = int(rng.choice([8, 16, 32]))
+    count = int(rng.integers(2, 7))
+    prompts = [[1] + rng.integers(3, 300, size=int(rng.integers(0, 30))).tolist()
+               for _ in range(count)]
+    new = rng.integers(1, 20, size=count).tolist()
+    model, _ = load_model(tiny, backend="numpy", progress=False)
+    blocks = default_num_blocks(model, block_size,
+                                [len(p) + n for p, n in zip(prompts, new)], "numpy")
+    engine = Engine(model, make_cache(model, blocks, block_size, "numpy"), backend="numpy")
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, new)]
+    engine.step()  # the first step is one prefill of everything admitted
+    assert not engine.waiting and all(len(s.output_ids) == 1 for s in seqs)
+    # max_new_tokens=1 sequences are done after their prefill; all others run.
+    assert len(engine.running) == sum(n > 1 for n in new)
+    engine.run()
+    assert engine.stats.preemptions == 0
+    assert engine.stats.decode_steps == max(new) - 1
+
+
+def test_without_the_reserve_the_last_prompt_waits(tiny):
+    # The blocks at full length alone (the old default) make the second prompt wait for the
+    # first to finish: the reserve is what the default has to count.
+    prompts, new = [[1, 2, 3], [1, 5, 6, 7]], [8, 8]
+    engine = numpy_engine(tiny, blocks_to_run_together([11, 12], 16) - 2, 16)
+    generate(engine, prompts, new)
+    assert engine.stats.decode_steps == 2 * 7
+
+
+# --- goal: a full cache reports its own finish reason -------------------------------------------
+
+def test_sequence_alone_in_a_full_cache_stops_with_cache_too_small(tiny):
+    # One block of 8 tokens: the 3-token prompt's decode steps write positions 3..7, then the
+    # next token has nowhere to go. Before, this reported 'length'.
+    prompt, streamed = [1, 17, 42], []
+    engine = numpy_engine(tiny, 1, 8, on_token=lambda seq, token: streamed.append(token))
+    with pytest.warns(CacheTooSmallWarning, match=r"too small \(1 blocks of 8 tokens\).*"
+                                                  r"raise num_blocks.*at least 3") as record:
+        (seq,) = generate(engine, [prompt], [16])
+    assert len(record) == 1 and "stopped after 6 of 16 new tokens" in str(record[0].message)
+    assert seq.finish_reason == "cache_too_small"
+    (roomy,) = generate(numpy_engine(tiny, 8, 8), [prompt], [16])
+    assert seq.output_ids == roomy.output_ids[:6]
+    assert streamed == seq.output_ids + [None]  # the stream is told the sequence ended
+    assert engine.cache.num_free_blocks == 1
+
+
+def test_full_cache_after_preemption_reports_cache_too_small(tiny):
+    # 4 blocks of 8: both 3-token prompts are admitted, grow to 2 blocks each, then the newest is
+    # preempted; each later runs alone until it fills all 4 blocks.
+    prompts = [[1, 17, 42], [1, 5, 9]]
+    engine = numpy_engine(tiny, 4, 8)
+    with pytest.warns(CacheTooSmallWarning) as record:
+        seqs = generate(engine, prompts, [40, 40])
+    assert engine.stats.preemptions >= 1
+    assert [s.finish_reason for s in seqs] == ["cache_too_small"] * 2
+    assert sorted(str(w.message).split()[1] for w in record) == ["0", "1"]
+    # Each held the whole cache (32 tokens) and one sampled token more.
+    assert [s.num_tokens for s in seqs] == [33, 33]
+    roomy = generate(numpy_engine(tiny, 32, 8), prompts, [40, 40])
+    assert [s.output_ids for s in seqs] == [r.output_ids[:30] for r in roomy]
+
+
+def test_prompt_larger_than_the_cache_warns(tiny):
+    engine = numpy_engine(tiny, 2, 8)
+    with pytest.warns(CacheTooSmallWarning, match="at least 7"):
+        long, short = generate(engine, [list(range(3, 50)), [1, 2]], [4, 4])
+    assert long.finish_reason == "cache_too_small" and long.output_ids == []
+    assert short.finish_reason == "length" and len(short.output_ids) == 4
+
+
+def test_model_context_limit_is_length_without_warning(short_context):
+    engine = numpy_engine(short_context, 16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheTooSmallWarning)
+        (seq,) = generate(engine, [[1, 2, 3]], [30])
+    assert seq.finish_reason == "length" and seq.num_tokens == 12
+
+
+# --- goal: one write-then-attend for every step -------------------------------------------------
+
+class RecordingCache:
+    """Stands in for PagedKVCache.write; records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, layer, slots, key, value):
+        self.calls.append(("write", layer, np.asarray(slots).tolist(), key.dtype, value.dtype))
+
+
+def test_write_then_attend_writes_before_attending():
+    cache = RecordingCache()
+
+    def attention(layer, q, k, v):
+        cache.calls.append(("attend", layer))
+        return q * 2
+
+    attend = step_attention.write_then_attend(cache, np.array([4, -1]), np.dtype(np.float16),
+                                              attention)
+    q = np.ones((2, 4, 8), np.float32)
+    k = v = np.zeros((2, 2, 8), np.float32)
+    np.testing.assert_array_equal(attend(1, q, k, v), q * 2)
+    assert cache.calls == [("write", 1, [4, -1], np.float16, np.float16), ("attend", 1)]
+
+
+def test_every_step_kind_goes_through_write_then_attend(tiny, monkeypatch):
+    calls = []
+    original = step_attention.write_then_attend
+
+    def counting(cache, slots, kv_dtype, attention):
+        calls.append(len(np.asarray(slots)))
+        return original(cache, slots, kv_dtype, attention)
+
+    monkeypatch.setattr(engine_module, "write_then_attend", counting)
+    for attention in ("paged", "naive"):
+        calls.clear()
+        generate(numpy_engine(tiny, 16, 8, attention=attention), [[1, 2, 3], [4, 5]], [3, 3])
+        assert calls == [5, 2, 2]  # the prefill's 5 tokens, then two decode steps of 2 rows
+
+
+def test_baseline_attention_moved_out_of_the_engine():
+    from llm.baseline_attention import naive_decode_attention
+    assert naive_decode_attention.__module__ == "llm.baseline_attention"
+    assert "def naive_decode_attention" not in (ROOT / "examples/llm/engine.py").read_text()
+
+
+def test_graph_forward_matches_the_eager_step_on_numpy(tiny):
+    """DecodeGraphs._forward (what a graph captures) run on numpy with a fake plan that calls
+    cupa.decode: the same logits and the same cache contents as an eager decode step, with a
+    padding row that writes nothing."""
+    prompts = [[1, 17, 42], [1, 5, 9, 200, 33], [7]]
+    twins = []
+    for _ in range(2):
+        engine = numpy_engine(tiny, 16, 8, graphs=False)
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_new_tokens=4))
+        engine.step()  # prefill
+        twins.append(engine)
+    eager, graph = twins
+
+    logged = []
+    eager.on_logits = lambda seqs, logits: logged.append(np.array(logits))
+    eager.step()  # one eager decode step
+
+    model, cache = graph.model, graph.cache
+    seqs = list(graph.running)
+    slots = cache.extend([s.seq_id for s in seqs], 1)
+    runner = DecodeGraphs.__new__(DecodeGraphs)  # no GPU: only what _forward reads
+    runner._cupy, runner.model, runner.cache = np, model, cache
+    runner.kv_dtype, runner.query_dtype, runner.fp8 = step_attention.paged_decode_formats(model,
+                                                                                         cache)
+    runner.gemm = lambda x, w: (x.astype(w.dtype) @ w.T).astype(np.float32)
+    width = table_width(model.config.max_seq_len, cache.block_size, cache.num_blocks)
+    layout = StepLayout(max_batch=4, width=width)
+    inputs = layout.views(np.zeros(layout.nbytes, np.uint8), 4)  # bucket 4: one padding row
+    StepRows.gather(seqs, slots, cache).pack_into(inputs)
+
+    class NumpyPlan:
+        def run(self, query, key_cache, value_cache, block_tables, seq_lens):
+            return cupa.decode(query, key_cache, value_cache, block_tables, seq_lens,
+                               scale=model.scale, backend="numpy")
+
+    logits, argmax = runner._forward(inputs, NumpyPlan())
+    np.testing.assert_allclose(logits[:3], logged[0], rtol=1e-5, atol=1e-5)
+    assert argmax[:3].tolist() == [s.output_ids[-1] for s in eager.running]
+    for layer in range(cache.num_layers):
+        np.testing.assert_array_equal(cache.key_cache(layer), eager.cache.key_cache(layer))
+        np.testing.assert_array_equal(cache.value_cache(layer), eager.cache.value_cache(layer))
