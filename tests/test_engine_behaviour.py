@@ -7,11 +7,15 @@ objects. tests/test_gpu_examples.py runs the real thing on a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import sys
+import types
 import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -258,3 +262,207 @@ def test_graph_forward_matches_the_eager_step_on_numpy(tiny):
     for layer in range(cache.num_layers):
         np.testing.assert_array_equal(cache.key_cache(layer), eager.cache.key_cache(layer))
         np.testing.assert_array_equal(cache.value_cache(layer), eager.cache.value_cache(layer))
+
+
+# --- goal: graphs on ROCm (bookkeeping; the capture itself needs a GPU) ------------------------
+
+from llm import blas, runtime  # noqa: E402
+from llm.cublas import CUBLAS, GraphGemm  # noqa: E402
+from llm.hipblas import HIPBLAS, HipblasGraphGemm  # noqa: E402
+
+
+def test_gpu_is_hip_reads_cupys_runtime_flag(monkeypatch):
+    for flag in (True, False):
+        fake = type(sys)("cupy")
+        fake.cuda = type(sys)("cupy.cuda")
+        fake.cuda.runtime = type(sys)("cupy.cuda.runtime")
+        fake.cuda.runtime.is_hip = flag
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        assert blas.gpu_is_hip() is flag
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    assert blas.gpu_is_hip() is False
+
+
+def test_graph_gemm_type_follows_the_platform(monkeypatch):
+    assert blas.graph_gemm_type(hip=True) is HipblasGraphGemm
+    assert blas.graph_gemm_type(hip=False) is GraphGemm
+    for simulated, library in ((True, HipblasGraphGemm), (False, GraphGemm)):
+        monkeypatch.setattr(blas, "gpu_is_hip", lambda simulated=simulated: simulated)
+        assert blas.graph_gemm_type() is library
+    assert GraphGemm.api is CUBLAS and HipblasGraphGemm.api is HIPBLAS
+
+
+def test_hipblas_enums_are_hipblas_not_cublas():
+    # hipblas.h: HIPBLAS_OP_N/T 111/112, HIPBLAS_COMPUTE_32F 2, HIPBLAS_GEMM_DEFAULT 160;
+    # hipDataType (library_types.h of HIP) numbers R_32F/R_16F/R_16BF as CUDA does: 0, 2, 14.
+    assert (HIPBLAS.op_n, HIPBLAS.op_t, HIPBLAS.compute_32f, HIPBLAS.gemm_default) == \
+        (111, 112, 2, 160)
+    assert (CUBLAS.op_n, CUBLAS.op_t, CUBLAS.compute_32f, CUBLAS.gemm_default) == (0, 1, 68, -1)
+    for api in (CUBLAS, HIPBLAS):
+        assert [api.data_type(t) for t in ("float32", "float16", "bfloat16")] == [0, 2, 14]
+        assert not api.supports("float64")
+    assert HIPBLAS.gemm_ex[0] == "hipblasGemmEx_v2"  # ROCm 6's hipDataType entry point first
+
+
+class FakeFunction:
+    """A ctypes function stand-in: argtypes / restype settable, calls recorded."""
+
+    def __init__(self, result=0, body=None):
+        self.result, self.body, self.calls = result, body, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        if self.body is not None:
+            self.body(*args)
+        return self.result
+
+
+class FakeLibrary:
+    def __init__(self, names):
+        for name in names:
+            setattr(self, name, FakeFunction())
+
+
+@pytest.mark.parametrize("exported, chosen", [
+    (["hipblasGemmEx_v2", "hipblasGemmEx"], "hipblasGemmEx_v2"),
+    (["hipblasGemmEx"], "hipblasGemmEx"),
+    ([], None),
+])
+def test_declare_picks_the_first_exported_gemm(exported, chosen):
+    lib = FakeLibrary(["hipblasCreate", "hipblasDestroy", "hipblasSetStream"] + exported)
+    gemm = blas._declare(lib, HIPBLAS)
+    assert gemm is (getattr(lib, chosen) if chosen else None)
+    if chosen:
+        assert len(gemm.argtypes) == 19 and lib.hipblasSetStream.argtypes is not None
+        assert not hasattr(lib, "hipblasSetWorkspace")  # optional: absent is fine
+
+
+def _column_major(pointer, dtype, rows, cols, ld):
+    """A view of a column-major rows x cols matrix with leading dimension ld at `pointer`."""
+    count = ld * (cols - 1) + rows
+    raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(pointer)
+    flat = np.frombuffer(raw, dtype=dtype)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols),
+                                           (dtype.itemsize, ld * dtype.itemsize))
+
+
+def reference_gemm_ex(api):
+    """A host GemmEx with `api`'s enums: C = alpha op(A) op(B) + beta C, column-major, as the
+    BLAS computes it (from the raw pointers GraphGemm passes)."""
+    types = {code: np.dtype(name if name != "bfloat16" else ml_dtypes.bfloat16)
+             for name, code in api.data_types}
+
+    def gemm(handle, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb, beta, c,
+             c_type, ldc, compute, algo):
+        assert (compute, algo) == (api.compute_32f, api.gemm_default)
+        op = {api.op_n: False, api.op_t: True}
+        a_rows, a_cols = (k, m) if op[transa] else (m, k)
+        b_rows, b_cols = (n, k) if op[transb] else (k, n)
+        A = _column_major(a.value, types[a_type], a_rows, a_cols, lda).astype(np.float32)
+        B = _column_major(b.value, types[b_type], b_rows, b_cols, ldb).astype(np.float32)
+        A, B = (A.T if op[transa] else A), (B.T if op[transb] else B)
+        C = _column_major(c.value, types[c_type], m, n, ldc)
+        C[...] = alpha._obj.value * (A @ B) + beta._obj.value * C
+    return gemm
+
+
+class HostArray(np.ndarray):
+    """numpy with cupy's `.data.ptr`, so GraphGemm's pointer arithmetic runs on the host."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+HOST_CUPY = types.SimpleNamespace(
+    ascontiguousarray=lambda a: np.ascontiguousarray(a).view(HostArray),
+    empty=lambda shape, dtype: np.zeros(shape, dtype).view(HostArray))
+
+
+@pytest.mark.parametrize("gemm_type", [GraphGemm, HipblasGraphGemm])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype):
+    """The GemmEx arguments (operations, sizes, leading dimensions, types) of both libraries,
+    executed by a host GemmEx that reads them as the BLAS does."""
+    gemm = gemm_type.__new__(gemm_type)  # without a GPU: only what __call__ reads
+    gemm._cupy, gemm._handle = HOST_CUPY, ctypes.c_void_p(1)
+    gemm._one, gemm._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    gemm._gemm = FakeFunction(body=reference_gemm_ex(gemm_type.api))
+    rng = np.random.default_rng(3)
+    weight_dtype = np.dtype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
+    x = rng.standard_normal((5, 96), dtype=np.float32)
+    w = rng.standard_normal((40, 96), dtype=np.float32).astype(weight_dtype)
+    y = gemm(x, w)
+    assert y.dtype == np.float32 and y.shape == (5, 40)
+    want = x.astype(weight_dtype).astype(np.float32) @ w.astype(np.float32).T
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
+    assert len(gemm._gemm.calls) == 1
+    assert gemm(x[:0], w).shape == (0, 40) and len(gemm._gemm.calls) == 1  # no call for 0 rows
+    with pytest.raises(TypeError, match="float64"):
+        gemm(x, w.astype(np.float64))
+
+
+class FailingGraphs:
+    """Stands in for graphs.DecodeGraphs; fails where `fail_at` says ('init', 'capture' or
+    'run'), as a platform without working capture (or replay) would."""
+
+    fail_at = "capture"
+    error = "hipStreamBeginCapture: operation not supported"
+
+    def __init__(self, model, cache, *, max_batch):
+        if self.fail_at == "init":
+            raise RuntimeError(self.error)
+        self.buckets, self.steps, self.capture_seconds = (1, 2, 4, 8), {}, 0.0
+        self.stream = contextlib.nullcontext()
+
+    def capture(self, bucket):
+        if self.fail_at == "capture":
+            raise RuntimeError(self.error)
+        self.steps[bucket] = object()
+
+    def run(self, rows):
+        raise RuntimeError(self.error)
+
+
+def graph_engine(tiny, monkeypatch, graphs, fail_at, hip=True):
+    """A numpy engine that takes the graph path (the blocker is bypassed) with FailingGraphs."""
+    monkeypatch.setattr(engine_module, "graph_blocker", lambda **why: None)
+    monkeypatch.setattr(engine_module, "DecodeGraphs", FailingGraphs)
+    monkeypatch.setattr(FailingGraphs, "fail_at", fail_at)
+    monkeypatch.setattr(blas, "gpu_is_hip", lambda: hip)
+    return numpy_engine(tiny, 16, 8, graphs=graphs)
+
+
+@pytest.mark.parametrize("fail_at", ["init", "capture", "run"])
+def test_auto_graphs_fall_back_to_eager_with_a_warning(tiny, monkeypatch, fail_at):
+    prompts, new = [[1, 17, 42], [1, 5]], [6, 4]
+    eager = generate(numpy_engine(tiny, 16, 8, graphs=False), prompts, new)
+    engine = graph_engine(tiny, monkeypatch, None, fail_at)
+    assert engine.use_graphs is True
+    with pytest.warns(RuntimeWarning, match=r"decode graphs turned off, decoding eagerly: "
+                                            r"\w+ a decode graph failed on ROCm/HIP "
+                                            r"\(RuntimeError: hipStreamBeginCapture") as record:
+        seqs = generate(engine, prompts, new)
+    assert len([w for w in record if "decode graphs" in str(w.message)]) == 1  # warned once
+    assert engine.use_graphs is False and engine.stats.graph_steps == 0
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in eager]
+    assert engine.stats.decode_steps == max(new) - 1
+    assert engine.cache.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("fail_at", ["init", "capture", "run"])
+def test_required_graphs_raise_a_clear_error(tiny, monkeypatch, fail_at):
+    engine = graph_engine(tiny, monkeypatch, True, fail_at)
+    for p in ([1, 17, 42], [1, 5]):
+        engine.add_request(p, SamplingParams(max_new_tokens=4))
+    engine.step()  # prefill: always eager
+    with pytest.raises(RuntimeError, match=r"graphs=True: \w+ a decode graph failed on ROCm/HIP "
+                                           r".*pass graphs=None to fall back") as info:
+        engine.step()
+    assert "operation not supported" in str(info.value.__cause__)
+
+
+def test_fallback_message_names_cuda_off_hip(tiny, monkeypatch):
+    engine = graph_engine(tiny, monkeypatch, None, "capture", hip=False)
+    with pytest.warns(RuntimeWarning, match="failed on CUDA"):
+        generate(engine, [[1, 2]], [3])

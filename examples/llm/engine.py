@@ -11,8 +11,9 @@ Preemption recomputes: a preempted sequence keeps its generated ids and is prefi
 prompt + output when readmitted, which reproduces the same cache contents (with an fp8 cache only
 nearly: the recompute attends over unquantised K/V where the decode steps read fp8 codes).
 
-On a CUDA GPU with paged attention, decode steps replay captured CUDA graphs (graphs.py), one per
-batch-size bucket; prefill, with its varying shapes, always runs eagerly.
+On a GPU with paged attention, decode steps replay captured CUDA graphs (graphs.py; on ROCm HIP
+graphs, written for but not yet run on AMD hardware), one per batch-size bucket; prefill, with its
+varying shapes, always runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 import cupa
 
+from . import blas
 from .baseline_attention import naive_decode_attention
 from .graphs import DecodeGraphs, StepRows, bucket_for, graph_blocker, resolve_graphs
 from .model import Model
@@ -110,8 +112,10 @@ class Engine:
     on_token(seq, token_id) is called for every generated token (streaming).
     on_logits(seqs, logits) sees the float32 logits of every step before sampling (tests); one
     row per sequence in `seqs`, valid during the call (graph steps reuse the buffer).
-    graphs: replay decode steps from captured CUDA graphs. None (default) = wherever possible
-    (CUDA GPU, paged attention); True = required (ValueError where impossible); False = eager.
+    graphs: replay decode steps from captured CUDA / HIP graphs. None (default) = wherever
+    possible (GPU, paged attention), falling back to eager steps with a RuntimeWarning if a
+    capture fails on this platform; True = required (ValueError where impossible, RuntimeError if
+    a capture fails); False = eager.
     """
 
     def __init__(self, model: Model, cache, *, eos_ids=(), attention="paged", max_batch=256,
@@ -120,8 +124,7 @@ class Engine:
         if attention not in ("paged", "naive"):
             raise ValueError(f"attention must be 'paged' or 'naive', got {attention!r}")
         self.use_graphs = resolve_graphs(graphs, graph_blocker(
-            on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention,
-            hip=model.xp is not np and _is_hip(model.xp)))
+            on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention))
         self._graphs_required = graphs is True
         self._graphs = None  # DecodeGraphs, made at the first graph step
         self.model, self.cache, self.xp = model, cache, model.xp
@@ -317,7 +320,14 @@ class Engine:
         if runner is None:  # graphs were only wanted where possible, and are not possible
             self._decode_eager(seqs, slots)
             return
-        logits, argmax = runner.run(StepRows.gather(seqs, slots, self.cache))
+        try:
+            logits, argmax = runner.run(StepRows.gather(seqs, slots, self.cache))
+        except Exception as e:
+            # A replay that fails (say, a launch this platform refuses) runs the step eagerly:
+            # its cache writes, if any happened, are the ones the eager step makes again.
+            self._graphs_failed(e, "replaying")
+            self._decode_eager(seqs, slots)
+            return
         self._reserve_ahead(seqs)  # host work while the GPU replays the step
         with runner.stream:  # the reads below (and on_logits) queue after the replay
             self._sample_and_append(seqs, logits, argmax)
@@ -345,21 +355,29 @@ class Engine:
         self._ahead = dict(zip(going_on, slots))
 
     def _graphs_for(self, batch: int) -> DecodeGraphs | None:
-        """The graph runner with the bucket of `batch` captured. If that fails (say, this
-        cupy's cuBLAS cannot be reached), graphs=True raises; the default (None) warns once and
-        turns graphs off, so the step and the ones after it run eagerly."""
+        """The graph runner with the bucket of `batch` captured, or None when that failed (say,
+        this cupy's BLAS cannot be reached, or this platform cannot capture a step) and graphs
+        were not required (see _graphs_failed)."""
         try:
             if self._graphs is None:
                 self._graphs = DecodeGraphs(self.model, self.cache, max_batch=self.max_batch)
             self._capture(self._graphs, bucket_for(batch, self._graphs.buckets))
             return self._graphs
         except Exception as e:
-            if self._graphs_required:
-                raise
-            warnings.warn(f"CUDA graphs turned off, decoding eagerly ({type(e).__name__}: {e})",
-                          RuntimeWarning)
-            self.use_graphs, self._graphs = False, None
+            self._graphs_failed(e, "capturing")
             return None
+
+    def _graphs_failed(self, error: Exception, doing: str) -> None:
+        """graphs=True raises; the default (None) warns once and turns graphs off, so the step
+        and the ones after it run eagerly."""
+        platform = "ROCm/HIP" if blas.gpu_is_hip() else "CUDA"
+        what = f"{doing} a decode graph failed on {platform} ({type(error).__name__}: {error})"
+        if self._graphs_required:
+            raise RuntimeError(f"graphs=True: {what}; pass graphs=None to fall back to eager "
+                               f"decode steps, or graphs=False") from error
+        warnings.warn(f"decode graphs turned off, decoding eagerly: {what}", RuntimeWarning,
+                      stacklevel=3)
+        self.use_graphs, self._graphs = False, None
 
     def _capture(self, runner: DecodeGraphs, bucket: int) -> None:
         """Capture a bucket's graph if it is new, counting it in the stats."""
@@ -434,10 +452,6 @@ def prefill_groups(lengths, num_heads: int, budget: int = PREFILL_SCORES_BUDGET)
         row += count * length
         i += count
     return groups
-
-
-def _is_hip(cupy) -> bool:
-    return bool(getattr(cupy.cuda.runtime, "is_hip", False))
 
 
 def _to_host(x):

@@ -1,4 +1,4 @@
-"""Decode steps replayed from captured CUDA graphs (cupy stream capture + cupa.plan_decode).
+"""Decode steps replayed from captured CUDA / HIP graphs (cupy stream capture + cupa.plan_decode).
 
 A decode step launches a few dozen small kernels per layer; launched one by one from Python the
 host, not the GPU, sets the step time. Here each batch-size bucket's whole step (embedding, every
@@ -28,6 +28,11 @@ How it fits together:
   these; constants such as fp8 scales were uploaded when the cache and plans were made, and a
   warm-up run of the same step before the capture compiles every kernel. cupy refuses to record
   its cuBLAS calls, so the captured forward's matmuls go to cublasGemmEx directly (cublas.py).
+- ROCm: cupy's docstrings call stream capture CUDA-only, but cupy-rocm's runtime forwards
+  cudaStreamBeginCapture / EndCapture / GraphInstantiate / GraphLaunch to their HIP twins, so the
+  same code runs there with hipblasGemmEx for the matmuls (hipblas.py; blas.graph_gemm_type
+  picks the library). Written for ROCm, not run on AMD hardware: should a capture fail there,
+  the engine's default falls back to eager steps with a warning.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import numpy as np
 
 import cupa
 
-from .cublas import GraphGemm
+from .blas import graph_gemm_type
 from .step_attention import decode_query, paged_decode_formats, write_then_attend
 
 # Batch-size buckets: fine steps where batches are small (the padding would be a large share),
@@ -85,15 +90,15 @@ def table_width(max_seq_len: int, block_size: int, num_blocks: int) -> int:
     return max(1, min(math.ceil(max_seq_len / block_size), num_blocks))
 
 
-def graph_blocker(on_gpu: bool, attention: str, hip: bool) -> str | None:
-    """Why decode steps cannot be graph-captured in this setting, or None when they can."""
+def graph_blocker(on_gpu: bool, attention: str) -> str | None:
+    """Why decode steps cannot be graph-captured in this setting, or None when they can (on
+    CUDA and on ROCm alike: whether a capture works on a platform shows only when it runs, and
+    the engine falls back to eager steps, or raises with graphs=True, if it does not)."""
     if not on_gpu:
         return "CUDA graphs need the GPU backend (this engine runs on numpy)"
     if attention != "paged":
         return (f"attention={attention!r} changes its array shapes every step; only 'paged' "
                 f"decode can be captured")
-    if hip:
-        return "cupy's stream capture is CUDA-only (not available on ROCm/HIP)"
     return None
 
 
@@ -228,7 +233,7 @@ class CapturedStep:
 
 class DecodeGraphs:
     """Graph-captured decode steps of `model` over `cache`, one graph per batch bucket, captured
-    the first time a bucket is needed. GPU (CUDA) only."""
+    the first time a bucket is needed. GPU only (CUDA; ROCm written for, not yet run)."""
 
     def __init__(self, model, cache, *, max_batch: int):
         import cupy
@@ -239,8 +244,9 @@ class DecodeGraphs:
         self.layout = StepLayout(self.buckets[-1], self.width)
         self.kv_dtype, self.query_dtype, self.fp8 = paged_decode_formats(model, cache)
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        # cupy will not record its own cuBLAS calls; this one is bound to self.stream.
-        self.gemm = GraphGemm(self.stream)
+        # cupy will not record its own BLAS calls; this one (cuBLAS or hipBLAS) is bound to
+        # self.stream.
+        self.gemm = graph_gemm_type()(self.stream)
         self.gemm.check(model.dtype)
         self.pool = cupy.cuda.MemoryPool()  # only for allocations made while capturing
         self.host = _pinned_bytes(self.layout.nbytes)
