@@ -466,3 +466,38 @@ def test_fallback_message_names_cuda_off_hip(tiny, monkeypatch):
     engine = graph_engine(tiny, monkeypatch, None, "capture", hip=False)
     with pytest.warns(RuntimeWarning, match="failed on CUDA"):
         generate(engine, [[1, 2]], [3])
+
+
+# --- goal: no bfloat16 probe on ROCm -----------------------------------------------------------
+
+BF16 = runtime.DTYPES["bfloat16"]
+
+
+def forbid_probe(monkeypatch):
+    def probe(dtype):
+        raise AssertionError(f"probed {dtype} (on HIP this would abort the process)")
+    monkeypatch.setattr(runtime, "_probe_gpu_dtype", probe)
+
+
+def test_hip_decides_bfloat16_without_running_it(monkeypatch, capsys):
+    monkeypatch.setattr(blas, "gpu_is_hip", lambda: True)
+    forbid_probe(monkeypatch)
+    assert runtime._gpu_handles(BF16) is False
+    assert runtime.compute_dtype("gpu", "bfloat16") == np.float32
+    assert "ROCm/HIP" in capsys.readouterr().err
+    assert runtime.compute_dtype("gpu", "torch.float32", "bfloat16") == np.float32
+    # float16 and float32 are not probed anywhere; they stay as asked.
+    assert runtime.compute_dtype("gpu", "float16") == np.float16
+    assert runtime.compute_dtype("gpu", "bfloat16", "float16") == np.float16
+
+
+@pytest.mark.parametrize("cupy_has_bf16", [True, False])
+def test_cuda_still_probes_bfloat16(monkeypatch, capsys, cupy_has_bf16):
+    monkeypatch.setattr(blas, "gpu_is_hip", lambda: False)
+    probed = []
+    monkeypatch.setattr(runtime, "_probe_gpu_dtype",
+                        lambda dtype: probed.append(np.dtype(dtype)) or cupy_has_bf16)
+    want = BF16 if cupy_has_bf16 else np.dtype(np.float32)
+    assert runtime.compute_dtype("gpu", "bfloat16") == want
+    assert probed == [BF16]
+    assert ("no bfloat16 matmul" in capsys.readouterr().err) is not cupy_has_bf16
