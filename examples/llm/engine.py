@@ -11,8 +11,9 @@ Preemption recomputes: a preempted sequence keeps its generated ids and is prefi
 prompt + output when readmitted, which reproduces the same cache contents (with an fp8 cache only
 nearly: the recompute attends over unquantised K/V where the decode steps read fp8 codes).
 
-On a CUDA GPU with paged attention, decode steps replay captured CUDA graphs (graphs.py), one per
-batch-size bucket; prefill, with its varying shapes, always runs eagerly.
+On a GPU with paged attention, decode steps replay captured CUDA graphs (graphs.py; on ROCm HIP
+graphs, written for but not yet run on AMD hardware), one per batch-size bucket; prefill, with its
+varying shapes, always runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,12 +28,34 @@ import numpy as np
 
 import cupa
 
-from .graphs import (DecodeGraphs, StepRows, bucket_for, graph_blocker, paged_decode_formats,
-                     resolve_graphs)
+from . import blas
+from .baseline_attention import naive_decode_attention
+from .graphs import DecodeGraphs, StepRows, bucket_for, graph_blocker, resolve_graphs
 from .model import Model
 from .sampling import SamplingParams, sample, sequence_rng
+from .step_attention import decode_query, paged_decode_formats, write_then_attend
 
 from cupa import OutOfBlocksError
+
+# Blocks the admission rule keeps free per running sequence: a sequence is admitted next to
+# others only if, after its prompt's blocks, this many per running sequence (itself included)
+# stay free, so that the next decode step, where each sequence may open a new block, does not
+# have to preempt at once.
+ADMISSION_RESERVE_BLOCKS = 1
+
+
+class CacheTooSmallWarning(RuntimeWarning):
+    """A sequence stopped (finish_reason 'cache_too_small') because the KV cache cannot hold it."""
+
+
+def blocks_to_run_together(token_counts, block_size: int) -> int:
+    """Cache blocks with which sequences growing to `token_counts` tokens are all admitted in
+    one step (as far as max_batch and max_prefill_tokens allow) and then never preempted: each
+    one's blocks at full length plus its admission reserve. Blocks at full length alone are not
+    enough: the admission rule would then hold back the last prompts until others finish."""
+    counts = list(token_counts)
+    full_length = sum(math.ceil(n / block_size) for n in counts)
+    return full_length + ADMISSION_RESERVE_BLOCKS * len(counts)
 
 
 @dataclass
@@ -42,7 +65,9 @@ class Sequence:
     params: SamplingParams
     rng: np.random.Generator
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None   # 'stop' (EOS), 'length', or 'cache_too_small'
+    # 'stop' (EOS), 'length' (max_new_tokens or the model's context), or 'cache_too_small' (the
+    # KV cache cannot hold the prompt, or the sequence once it runs alone and fills every block)
+    finish_reason: str | None = None
     preemptions: int = 0
 
     @property
@@ -87,8 +112,10 @@ class Engine:
     on_token(seq, token_id) is called for every generated token (streaming).
     on_logits(seqs, logits) sees the float32 logits of every step before sampling (tests); one
     row per sequence in `seqs`, valid during the call (graph steps reuse the buffer).
-    graphs: replay decode steps from captured CUDA graphs. None (default) = wherever possible
-    (CUDA GPU, paged attention); True = required (ValueError where impossible); False = eager.
+    graphs: replay decode steps from captured CUDA / HIP graphs. None (default) = wherever
+    possible (GPU, paged attention), falling back to eager steps with a RuntimeWarning if a
+    capture fails on this platform; True = required (ValueError where impossible, RuntimeError if
+    a capture fails); False = eager.
     """
 
     def __init__(self, model: Model, cache, *, eos_ids=(), attention="paged", max_batch=256,
@@ -97,8 +124,7 @@ class Engine:
         if attention not in ("paged", "naive"):
             raise ValueError(f"attention must be 'paged' or 'naive', got {attention!r}")
         self.use_graphs = resolve_graphs(graphs, graph_blocker(
-            on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention,
-            hip=model.xp is not np and _is_hip(model.xp)))
+            on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention))
         self._graphs_required = graphs is True
         self._graphs = None  # DecodeGraphs, made at the first graph step
         self.model, self.cache, self.xp = model, cache, model.xp
@@ -163,8 +189,8 @@ class Engine:
         return math.ceil(num_tokens / self.block_size)
 
     def _admit(self) -> list[tuple[Sequence, object]]:
-        """Move waiting sequences to running while their blocks fit, keeping one spare block per
-        running sequence so the next decode step does not have to preempt at once."""
+        """Move waiting sequences to running while their blocks fit, keeping
+        ADMISSION_RESERVE_BLOCKS free per running sequence (blocks_to_run_together counts them)."""
         admitted, tokens = [], 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             seq = self.waiting[0]
@@ -174,7 +200,7 @@ class Engine:
                 self._finish(seq, "cache_too_small" if need > self.total_blocks else "length")
                 continue
             alone = not self.running and not admitted
-            reserve = len(self.running) + len(admitted) + 1
+            reserve = ADMISSION_RESERVE_BLOCKS * (len(self.running) + len(admitted) + 1)
             if not alone and (self.cache.num_free_blocks - need < reserve
                               or tokens + seq.num_tokens > self.max_prefill_tokens):
                 break
@@ -200,8 +226,9 @@ class Engine:
                                  for s in self.running], dtype=np.int64)
             except OutOfBlocksError:
                 if len(self.running) == 1:
-                    # Alone and still out of blocks: the cache cannot hold a longer sequence.
-                    self._finish(self.running[0], "length")
+                    # Alone and still out of blocks: it holds every block of the cache, which
+                    # cannot hold a longer sequence.
+                    self._finish(self.running[0], "cache_too_small")
                     return None
                 victim = self.running.pop()
                 self.cache.free(victim.seq_id)
@@ -221,20 +248,18 @@ class Engine:
         slots = xp.asarray(np.concatenate([np.asarray(s).reshape(-1) for _, s in admitted]))
         tokens = xp.asarray(np.concatenate([seq.token_ids for seq in seqs]).astype(np.int64))
         positions = xp.asarray(np.concatenate([np.arange(n) for n in lengths]))
-        kv_dtype = model.dtype
         groups = prefill_groups(lengths, model.config.num_heads)
 
-        def attend(layer, q, k, v):
-            # cache.write quantises when the cache is fp8; the prompt's own attention below uses
-            # the unquantised K/V (as fp8 engines do), only later decode steps read the codes.
-            self.cache.write(layer, slots, k.astype(kv_dtype, copy=False),
-                             v.astype(kv_dtype, copy=False))
+        def prompt_attention(layer, q, k, v):
+            # The prompt's own attention uses the unquantised K/V (as fp8 engines do); only later
+            # decode steps read the codes cache.write stores.
             out = xp.empty(q.shape, dtype=np.float32)
             for first, count, length in groups:
                 rows = slice(first, first + count * length)
                 out[rows] = model.causal_attention(q[rows], k[rows], v[rows], num_seqs=count)
             return out
 
+        attend = write_then_attend(self.cache, slots, model.dtype, prompt_attention)
         logits = model.forward(tokens, positions, attend, last_rows=xp.asarray(bounds[1:] - 1))
         self.running.extend(seqs)
         self._sample_and_append(seqs, logits)
@@ -269,20 +294,23 @@ class Engine:
         max_len = max(s.num_tokens for s in seqs)  # = seq_len after extend; no device read
         kv_dtype, query_dtype, fp8 = paged_decode_formats(model, self.cache)
 
-        def attend(layer, q, k, v):
-            self.cache.write(layer, slots, k.astype(kv_dtype, copy=False),
-                             v.astype(kv_dtype, copy=False))
-            key_cache, value_cache = self.cache.key_cache(layer), self.cache.value_cache(layer)
-            if self.attention == "naive":
-                return naive_decode_attention(xp, q, key_cache, value_cache, block_tables,
-                                              seq_lens, max_len, model.scale, **fp8)
-            # The output stays in the query dtype: the output projection casts it to the weight
-            # dtype anyway (a float16 -> float32 -> float16 round trip would be exact, and two
-            # more kernels).
-            return cupa.decode(xp.ascontiguousarray(q.astype(query_dtype, copy=False)),
-                               key_cache, value_cache, block_tables, seq_lens, scale=model.scale,
-                               max_seq_len=max_len, backend=self.backend, **fp8)
+        cache = self.cache
+        if self.attention == "naive":
+            def attention(layer, q, k, v):
+                return naive_decode_attention(xp, q, cache.key_cache(layer),
+                                              cache.value_cache(layer), block_tables, seq_lens,
+                                              max_len, model.scale, **fp8)
+        else:
+            def attention(layer, q, k, v):
+                # The output stays in the query dtype: the output projection casts it to the
+                # weight dtype anyway (a float16 -> float32 -> float16 round trip would be
+                # exact, and two more kernels).
+                return cupa.decode(decode_query(xp, q, query_dtype), cache.key_cache(layer),
+                                   cache.value_cache(layer), block_tables, seq_lens,
+                                   scale=model.scale, max_seq_len=max_len, backend=self.backend,
+                                   **fp8)
 
+        attend = write_then_attend(cache, slots, kv_dtype, attention)
         logits = model.forward(tokens, positions, attend)
         self._sample_and_append(seqs, logits)
 
@@ -292,7 +320,14 @@ class Engine:
         if runner is None:  # graphs were only wanted where possible, and are not possible
             self._decode_eager(seqs, slots)
             return
-        logits, argmax = runner.run(StepRows.gather(seqs, slots, self.cache))
+        try:
+            logits, argmax = runner.run(StepRows.gather(seqs, slots, self.cache))
+        except Exception as e:
+            # A replay that fails (say, a launch this platform refuses) runs the step eagerly:
+            # its cache writes, if any happened, are the ones the eager step makes again.
+            self._graphs_failed(e, "replaying")
+            self._decode_eager(seqs, slots)
+            return
         self._reserve_ahead(seqs)  # host work while the GPU replays the step
         with runner.stream:  # the reads below (and on_logits) queue after the replay
             self._sample_and_append(seqs, logits, argmax)
@@ -320,21 +355,29 @@ class Engine:
         self._ahead = dict(zip(going_on, slots))
 
     def _graphs_for(self, batch: int) -> DecodeGraphs | None:
-        """The graph runner with the bucket of `batch` captured. If that fails (say, this
-        cupy's cuBLAS cannot be reached), graphs=True raises; the default (None) warns once and
-        turns graphs off, so the step and the ones after it run eagerly."""
+        """The graph runner with the bucket of `batch` captured, or None when that failed (say,
+        this cupy's BLAS cannot be reached, or this platform cannot capture a step) and graphs
+        were not required (see _graphs_failed)."""
         try:
             if self._graphs is None:
                 self._graphs = DecodeGraphs(self.model, self.cache, max_batch=self.max_batch)
             self._capture(self._graphs, bucket_for(batch, self._graphs.buckets))
             return self._graphs
         except Exception as e:
-            if self._graphs_required:
-                raise
-            warnings.warn(f"CUDA graphs turned off, decoding eagerly ({type(e).__name__}: {e})",
-                          RuntimeWarning)
-            self.use_graphs, self._graphs = False, None
+            self._graphs_failed(e, "capturing")
             return None
+
+    def _graphs_failed(self, error: Exception, doing: str) -> None:
+        """graphs=True raises; the default (None) warns once and turns graphs off, so the step
+        and the ones after it run eagerly."""
+        platform = "ROCm/HIP" if blas.gpu_is_hip() else "CUDA"
+        what = f"{doing} a decode graph failed on {platform} ({type(error).__name__}: {error})"
+        if self._graphs_required:
+            raise RuntimeError(f"graphs=True: {what}; pass graphs=None to fall back to eager "
+                               f"decode steps, or graphs=False") from error
+        warnings.warn(f"decode graphs turned off, decoding eagerly: {what}", RuntimeWarning,
+                      stacklevel=3)
+        self.use_graphs, self._graphs = False, None
 
     def _capture(self, runner: DecodeGraphs, bucket: int) -> None:
         """Capture a bucket's graph if it is new, counting it in the stats."""
@@ -374,8 +417,19 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
-        if self.on_token is not None and reason == "cache_too_small":
-            self.on_token(seq, None)
+        if reason == "cache_too_small":
+            warnings.warn(self._cache_too_small_message(seq), CacheTooSmallWarning,
+                          stacklevel=2)
+            if self.on_token is not None:
+                self.on_token(seq, None)
+
+    def _cache_too_small_message(self, seq: Sequence) -> str:
+        wanted = len(seq.prompt_ids) + seq.params.max_new_tokens
+        return (f"sequence {seq.seq_id} stopped after {len(seq.output_ids)} of "
+                f"{seq.params.max_new_tokens} new tokens ({len(seq.prompt_ids)}-token prompt): "
+                f"the KV cache is too small ({self.total_blocks} blocks of {self.block_size} "
+                f"tokens); raise num_blocks (generate.py: --num-blocks) to at least "
+                f"{self._blocks_for(wanted)}, or the block size")
 
 
 # Most float32 attention scores (heads x length^2 per sequence) one batched prefill attention
@@ -398,38 +452,6 @@ def prefill_groups(lengths, num_heads: int, budget: int = PREFILL_SCORES_BUDGET)
         row += count * length
         i += count
     return groups
-
-
-def naive_decode_attention(xp, q, key_cache, value_cache, block_tables, seq_lens, max_len, scale,
-                           kv_format=None, k_scale=None, v_scale=None):
-    """Decode attention without a paged kernel: gather every sequence's blocks into dense
-    [seqs, kv_heads, max_len, d] arrays, then matmul, masked softmax, matmul (float32).
-    With an fp8 kv_format the caches hold codes, dequantised with k_scale / v_scale
-    (float32 [kv_heads]) after the gather."""
-    num_seqs, heads, dim = q.shape
-    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    group = heads // kv_heads
-    # Unused table entries are -1; clamp them to a real block (its rows are masked out below).
-    blocks = xp.maximum(block_tables[:, :math.ceil(max_len / block_size)], 0)
-
-    def gather(cache, kv_scale):  # [seqs, nb, KV, bs, d] -> [seqs, KV, nb * bs, d]
-        dense = cache[blocks].transpose(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, dim)
-        if kv_format:
-            return cupa.dequantize_fp8(dense, kv_format, kv_scale[:, None, None])
-        return dense.astype(np.float32)
-
-    keys, values = gather(key_cache, k_scale), gather(value_cache, v_scale)
-    qg = q.astype(np.float32).reshape(num_seqs, kv_heads, group, dim)
-    scores = (qg @ keys.transpose(0, 1, 3, 2)) * np.float32(scale)    # [seqs, KV, group, L]
-    valid = xp.arange(keys.shape[2])[None, :] < seq_lens[:, None]
-    scores = xp.where(valid[:, None, None, :], scores, np.float32(-np.inf))
-    scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = scores / scores.sum(axis=-1, keepdims=True)
-    return (probs @ values).reshape(num_seqs, heads, dim)
-
-
-def _is_hip(cupy) -> bool:
-    return bool(getattr(cupy.cuda.runtime, "is_hip", False))
 
 
 def _to_host(x):

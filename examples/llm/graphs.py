@@ -1,4 +1,4 @@
-"""Decode steps replayed from captured CUDA graphs (cupy stream capture + cupa.plan_decode).
+"""Decode steps replayed from captured CUDA / HIP graphs (cupy stream capture + cupa.plan_decode).
 
 A decode step launches a few dozen small kernels per layer; launched one by one from Python the
 host, not the GPU, sets the step time. Here each batch-size bucket's whole step (embedding, every
@@ -28,6 +28,11 @@ How it fits together:
   these; constants such as fp8 scales were uploaded when the cache and plans were made, and a
   warm-up run of the same step before the capture compiles every kernel. cupy refuses to record
   its cuBLAS calls, so the captured forward's matmuls go to cublasGemmEx directly (cublas.py).
+- ROCm: cupy's docstrings call stream capture CUDA-only, but cupy-rocm's runtime forwards
+  cudaStreamBeginCapture / EndCapture / GraphInstantiate / GraphLaunch to their HIP twins, so the
+  same code runs there with hipblasGemmEx for the matmuls (hipblas.py; blas.graph_gemm_type
+  picks the library). Written for ROCm, not run on AMD hardware: should a capture fail there,
+  the engine's default falls back to eager steps with a warning.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ import numpy as np
 
 import cupa
 
-from .cublas import GraphGemm
+from .blas import graph_gemm_type
+from .step_attention import decode_query, paged_decode_formats, write_then_attend
 
 # Batch-size buckets: fine steps where batches are small (the padding would be a large share),
 # coarser ones above. Padding rows cost little: decode matmuls read the weights once whatever the
@@ -84,15 +90,15 @@ def table_width(max_seq_len: int, block_size: int, num_blocks: int) -> int:
     return max(1, min(math.ceil(max_seq_len / block_size), num_blocks))
 
 
-def graph_blocker(on_gpu: bool, attention: str, hip: bool) -> str | None:
-    """Why decode steps cannot be graph-captured in this setting, or None when they can."""
+def graph_blocker(on_gpu: bool, attention: str) -> str | None:
+    """Why decode steps cannot be graph-captured in this setting, or None when they can (on
+    CUDA and on ROCm alike: whether a capture works on a platform shows only when it runs, and
+    the engine falls back to eager steps, or raises with graphs=True, if it does not)."""
     if not on_gpu:
         return "CUDA graphs need the GPU backend (this engine runs on numpy)"
     if attention != "paged":
         return (f"attention={attention!r} changes its array shapes every step; only 'paged' "
                 f"decode can be captured")
-    if hip:
-        return "cupy's stream capture is CUDA-only (not available on ROCm/HIP)"
     return None
 
 
@@ -106,17 +112,6 @@ def resolve_graphs(requested, blocker: str | None) -> bool:
         raise ValueError(f"graphs=True: {blocker}; pass graphs=False (or None to decide "
                          f"automatically)")
     return requested
-
-
-def paged_decode_formats(model, cache):
-    """(K/V row dtype, query dtype, fp8 keyword arguments) of paged decode on `cache`."""
-    kv_dtype = query_dtype = model.dtype
-    fp8 = {}
-    if cache.kv_format:  # uint8 codes: cupa.decode needs the format and scales
-        fp8 = dict(kv_format=cache.kv_format, k_scale=cache.k_scale, v_scale=cache.v_scale)
-        if query_dtype == np.float32:  # fp8 decode takes float16 / bfloat16 queries only
-            query_dtype = np.dtype(np.float16)
-    return kv_dtype, query_dtype, fp8
 
 
 # --- static inputs -------------------------------------------------------------------------------
@@ -238,7 +233,7 @@ class CapturedStep:
 
 class DecodeGraphs:
     """Graph-captured decode steps of `model` over `cache`, one graph per batch bucket, captured
-    the first time a bucket is needed. GPU (CUDA) only."""
+    the first time a bucket is needed. GPU only (CUDA; ROCm written for, not yet run)."""
 
     def __init__(self, model, cache, *, max_batch: int):
         import cupy
@@ -249,8 +244,9 @@ class DecodeGraphs:
         self.layout = StepLayout(self.buckets[-1], self.width)
         self.kv_dtype, self.query_dtype, self.fp8 = paged_decode_formats(model, cache)
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        # cupy will not record its own cuBLAS calls; this one is bound to self.stream.
-        self.gemm = GraphGemm(self.stream)
+        # cupy will not record its own BLAS calls; this one (cuBLAS or hipBLAS) is bound to
+        # self.stream.
+        self.gemm = graph_gemm_type()(self.stream)
         self.gemm.check(model.dtype)
         self.pool = cupy.cuda.MemoryPool()  # only for allocations made while capturing
         self.host = _pinned_bytes(self.layout.nbytes)
@@ -323,16 +319,13 @@ class DecodeGraphs:
 
     def _forward(self, inputs: StepArrays, plan):
         """The captured step: forward over the static inputs, then the greedy choice."""
-        cupy, cache = self._cupy, self.cache
-        kv_dtype, query_dtype = self.kv_dtype, self.query_dtype
+        cupy, cache, query_dtype = self._cupy, self.cache, self.query_dtype
 
-        def attend(layer, q, k, v):
-            cache.write(layer, inputs.slots, k.astype(kv_dtype, copy=False),
-                        v.astype(kv_dtype, copy=False))
-            query = cupy.ascontiguousarray(q.astype(query_dtype, copy=False))
-            return plan.run(query, cache.key_cache(layer), cache.value_cache(layer),
-                            inputs.block_tables, inputs.seq_lens)
+        def attention(layer, q, k, v):
+            return plan.run(decode_query(cupy, q, query_dtype), cache.key_cache(layer),
+                            cache.value_cache(layer), inputs.block_tables, inputs.seq_lens)
 
+        attend = write_then_attend(cache, inputs.slots, self.kv_dtype, attention)
         logits = self.model.forward(inputs.token_ids, inputs.positions, attend,
                                     matmul=self.gemm)
         return logits, cupy.argmax(logits, axis=-1)

@@ -96,7 +96,7 @@ class Model:
     def linear(self, x, weight, bias=None, matmul=None):
         """x [T, in] (float32 or the weight dtype) times weight [out, in] (+ bias) -> float32
         [T, out]. matmul(x, weight) -> float32 x @ weight.T replaces the array operator (the
-        graph-captured decode step passes cuBLAS called directly, see cublas.py)."""
+        graph-captured decode step passes cuBLAS or hipBLAS called directly, see blas.py)."""
         if matmul is not None:
             y = matmul(x, weight)
         else:

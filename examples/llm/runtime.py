@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import ml_dtypes
 import numpy as np
 
@@ -11,7 +9,9 @@ from cupa import PagedKVCache
 from cupa.api import resolve_backend
 from cupa.fp8 import FP8_FORMATS, default_kv_format
 
+from . import blas
 from .config import load_config
+from .engine import blocks_to_run_together
 from .model import Model
 from .weights import load_weights
 
@@ -28,7 +28,26 @@ def array_module(backend: str):
 
 def _gpu_handles(dtype) -> bool:
     """Whether this cupy can upload, index, stack, matmul and cast `dtype` (the operations the
-    model applies to weights; bfloat16 support varies by cupy version)."""
+    model applies to weights; bfloat16 support varies by cupy version).
+
+    On ROCm/HIP bfloat16 is answered without running anything: False. cupy-rocm (14.2) hands a
+    bfloat16 matmul to hipBLAS through a type-conversion shim that does not know bfloat16 and
+    throws a C++ exception that cupy does not translate, so the process aborts (SIGABRT); a
+    try/except probe cannot even see it fail. The model then computes in float32 (compute_dtype)
+    rather than keeping bfloat16 weights with its matmuls sent to hipBLAS with explicit types
+    (hipblas.py), because every matmul of every step would need that rerouting (eager prefill
+    and decode too, not only the graph-captured step), and any one left to cupy would abort;
+    float32 reaches cupy's hipBLAS path only with types it knows. It costs twice the weight
+    memory and bandwidth of bfloat16. Elsewhere (CUDA) the probe below is safe: a missing
+    bfloat16 matmul raises there."""
+    if np.dtype(dtype) == DTYPES["bfloat16"] and blas.gpu_is_hip():
+        return False
+    return _probe_gpu_dtype(dtype)
+
+
+def _probe_gpu_dtype(dtype) -> bool:
+    """Run the model's weight operations on a small `dtype` array (never on HIP in bfloat16:
+    see _gpu_handles)."""
     import cupy
     try:
         a = cupy.asarray(np.ones((4, 4), dtype=dtype))
@@ -42,7 +61,8 @@ def _gpu_handles(dtype) -> bool:
 
 def compute_dtype(backend: str, checkpoint_dtype: str, requested: str = "auto") -> np.dtype:
     """float32 on numpy (the CPU path computes in float32); on the GPU the checkpoint's dtype
-    unless `requested` names another. bfloat16 falls back to float32 where cupy lacks it."""
+    unless `requested` names another. bfloat16 falls back to float32 where cupy lacks it, and
+    always on ROCm/HIP (_gpu_handles says why)."""
     if backend != "gpu":
         if requested not in ("auto", "float32"):
             raise ValueError(f"--dtype {requested}: the numpy backend computes in float32")
@@ -51,7 +71,9 @@ def compute_dtype(backend: str, checkpoint_dtype: str, requested: str = "auto") 
     dtype = DTYPES.get(name.replace("torch.", ""), DTYPES["float16"])
     if dtype == DTYPES["bfloat16"] and not _gpu_handles(dtype):
         import sys
-        print("note: this cupy has no bfloat16 matmul; computing in float32", file=sys.stderr)
+        why = ("on ROCm/HIP, cupy's hipBLAS path aborts on bfloat16 matmuls" if blas.gpu_is_hip()
+               else "this cupy has no bfloat16 matmul")
+        print(f"note: {why}; computing in float32", file=sys.stderr)
         dtype = DTYPES["float32"]
     return dtype
 
@@ -75,9 +97,10 @@ def block_bytes(model: Model, block_size: int, kv_format=None) -> int:
 
 def default_num_blocks(model: Model, block_size: int, token_counts, backend: str,
                        memory_fraction: float = 0.8, kv_format=None) -> int:
-    """Enough blocks for every request at full length at once, capped on the GPU by a fraction
-    of free device memory (the engine then waits or preempts instead)."""
-    need = sum(math.ceil(n / block_size) for n in token_counts) or 1
+    """Enough blocks for every request at full length at once, plus the engine's admission
+    reserve, so that all of them are admitted together (engine.blocks_to_run_together); capped
+    on the GPU by a fraction of free device memory (the engine then waits or preempts instead)."""
+    need = blocks_to_run_together(token_counts, block_size) or 1
     if backend == "gpu":
         import cupy
         free, _ = cupy.cuda.Device().mem_info
