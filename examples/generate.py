@@ -241,9 +241,9 @@ def main(argv=None) -> int:
 
     for i, seq in enumerate(seqs):
         if seq.finish_reason == "cache_too_small":
-            print(f"warning: prompt {i} ({len(seq.prompt_ids)} tokens) does not fit in the KV "
-                  f"cache ({num_blocks} blocks of {args.block_size}); raise --num-blocks",
-                  file=sys.stderr)
+            print(f"warning: prompt {i} ({len(seq.prompt_ids)} tokens) stopped after "
+                  f"{len(seq.output_ids)} new tokens: the KV cache ({num_blocks} blocks of "
+                  f"{args.block_size}) is full; raise --num-blocks", file=sys.stderr)
         if args.json:
             record = {"prompt_ids": seq.prompt_ids, "output_ids": seq.output_ids,
                       "finish_reason": seq.finish_reason}

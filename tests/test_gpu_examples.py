@@ -185,12 +185,12 @@ def test_gpu_graph_steps_match_eager_and_reference(models):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_graph_gemm_matches_cupy(dtype):
     import cupy
-    from llm.cublas import GraphGemm
+    from llm.blas import graph_gemm_type
     from llm.runtime import DTYPES, _gpu_handles
     if not _gpu_handles(DTYPES[dtype]):
         pytest.skip(f"this cupy has no {dtype} matmul")
     stream = cupy.cuda.Stream(non_blocking=True)
-    gemm = GraphGemm(stream)
+    gemm = graph_gemm_type()(stream)  # cuBLAS on CUDA, hipBLAS on ROCm
     gemm.check(DTYPES[dtype])
     rng = np.random.default_rng(1)
     with stream:  # the inputs are made on the stream the product runs on
