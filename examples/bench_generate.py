@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # cupa from a source checkout
 
 from cupa.arrays import gpu_available  # noqa: E402
-from cupa.validation import SUPPORTED_BLOCK_SIZES  # noqa: E402
+from cupa.problem import SUPPORTED_BLOCK_SIZES  # noqa: E402
 from llm.cli_args import (OneLineArgumentParser, non_negative_int, positive_int,  # noqa: E402
                           positive_int_list)
 
