@@ -37,6 +37,8 @@ from .step_attention import decode_query, paged_decode_formats, write_then_atten
 
 from cupa import OutOfBlocksError
 
+PLAN_HINT_STEP = 256  # tokens: the eager decode's max_seq_len hint moves in these steps
+
 # Blocks the admission rule keeps free per running sequence: a sequence is admitted next to
 # others only if, after its prompt's blocks, this many per running sequence (itself included)
 # stay free, so that the next decode step, where each sequence may open a new block, does not
@@ -127,6 +129,7 @@ class Engine:
             on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention))
         self._graphs_required = graphs is True
         self._graphs = None  # DecodeGraphs, made at the first graph step
+        self._eager_gemms: dict = {}  # stream pointer -> the BLAS matmul of eager forwards
         self.model, self.cache, self.xp = model, cache, model.xp
         self.eos_ids = set(int(e) for e in eos_ids)
         self.attention = attention
@@ -260,7 +263,8 @@ class Engine:
             return out
 
         attend = write_then_attend(self.cache, slots, model.dtype, prompt_attention)
-        logits = model.forward(tokens, positions, attend, last_rows=xp.asarray(bounds[1:] - 1))
+        logits = model.forward(tokens, positions, attend, last_rows=xp.asarray(bounds[1:] - 1),
+                               matmul=self._eager_matmul())
         self.running.extend(seqs)
         self._sample_and_append(seqs, logits)
         self.stats.prefill_tokens += int(bounds[-1])
@@ -292,6 +296,9 @@ class Engine:
         # (cache.decode(layer, ...) would rebuild them per layer).
         block_tables, seq_lens = self.cache.tables(ids)
         max_len = max(s.num_tokens for s in seqs)  # = seq_len after extend; no device read
+        # cupa.decode's partitioning hint, rounded up so that its cached plan serves 256 steps
+        # (a hint only tunes speed).
+        hint = -(-max_len // PLAN_HINT_STEP) * PLAN_HINT_STEP
         kv_dtype, query_dtype, fp8 = paged_decode_formats(model, self.cache)
 
         cache = self.cache
@@ -307,12 +314,31 @@ class Engine:
                 # exact, and two more kernels).
                 return cupa.decode(decode_query(xp, q, query_dtype), cache.key_cache(layer),
                                    cache.value_cache(layer), block_tables, seq_lens,
-                                   scale=model.scale, max_seq_len=max_len, backend=self.backend,
+                                   scale=model.scale, max_seq_len=hint, backend=self.backend,
                                    **fp8)
 
         attend = write_then_attend(cache, slots, kv_dtype, attention)
-        logits = model.forward(tokens, positions, attend)
+        logits = model.forward(tokens, positions, attend, matmul=self._eager_matmul())
         self._sample_and_append(seqs, logits)
+
+    def _eager_matmul(self):
+        """On the GPU, the graph steps' BLAS matmul for eager forwards too: one GemmEx call
+        (float32 out) where cupy's `@` adds a cast each way and its own dispatch, ~3 kernels
+        and ~30 us of host time per linear (docs/performance.md, host cost). Bound to the
+        stream the forward runs on; None on the CPU, or where the library is missing."""
+        if self.xp is np:
+            return None
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if stream.ptr not in self._eager_gemms:
+            try:
+                gemm = blas.graph_gemm_type()(stream)
+                gemm.check(self.model.dtype)
+            except (blas.BlasError, TypeError) as exc:
+                warnings.warn(f"eager forwards use cupy's matmul: {exc}", RuntimeWarning)
+                gemm = None
+            self._eager_gemms[stream.ptr] = gemm
+        return self._eager_gemms[stream.ptr]
 
     def _decode_graph(self, seqs, slots) -> None:
         """One decode step replayed from the graph of its batch bucket."""
