@@ -1,0 +1,39 @@
+"""compute-sanitizer over every kernel family (tools/sanitizer_probe.py): 0 errors and 0 race
+hazards under each tool. Skips without a GPU or without compute-sanitizer (NVIDIA only)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupa.arrays import gpu_available
+
+PROBE = Path(__file__).resolve().parent.parent / "tools" / "sanitizer_probe.py"
+SANITIZER = shutil.which("compute-sanitizer")
+pytestmark = [pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU"),
+              pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer is not on PATH")]
+TOOLS = {"memcheck": [], "racecheck": ["--racecheck-report", "all"], "initcheck": [],
+         "synccheck": []}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_every_kernel_family_is_clean(tool):
+    command = [SANITIZER, "--tool", tool, *TOOLS[tool], "--print-limit", "20", sys.executable,
+               str(PROBE)]
+    # -lineinfo lets a report name kernel source lines.
+    env = dict(os.environ, CUPA_EXTRA_OPTIONS="-lineinfo")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    report = result.stdout + result.stderr
+    assert "probe done" in report, report[-4000:]
+    summary = re.search(r"ERROR SUMMARY: (\d+) error", report)
+    assert summary is not None, report[-4000:]
+    assert int(summary.group(1)) == 0, report[-8000:]
+    if tool == "racecheck":
+        hazards = re.search(r"RACECHECK SUMMARY: (\d+) hazard", report)
+        assert hazards is None or int(hazards.group(1)) == 0, report[-8000:]
