@@ -142,6 +142,20 @@ CUPA_FN float warp_xor(float v, int lane_mask) {
 #endif
 }
 
+// Orders the shared-memory accesses of one warp's (wavefront's) lanes: what a lane wrote is
+// seen by the others, and no lane's later write overtakes another lane's earlier read. The
+// shuffles of warp_max / warp_sum make the lanes meet but are no memory barrier, which
+// compute-sanitizer's racecheck reports as a hazard (and the CUDA memory model agrees).
+CUPA_FN void warp_barrier() {
+#if CUPA_HIP
+    __builtin_amdgcn_wave_barrier();  // a wavefront runs in lockstep: keep the compiler's order
+#elif CUPA_EMULATE_AMD
+    cupa_emu::wave_sync();
+#else
+    __syncwarp();
+#endif
+}
+
 // No fmaxf: it is a library function on HIP, and logits are never NaN here.
 CUPA_FN float max_f(float a, float b) { return a > b ? a : b; }
 

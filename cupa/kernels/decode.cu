@@ -149,6 +149,7 @@ CUPA_FN void decode_partition(
                     sum += p;
                 }
                 sum = warp_sum(sum);
+                warp_barrier();  // every lane has read m_s[h] before lane 0 replaces it
                 if (lane == 0) {
                     const float corr = m_old == neg_inf() ? 0.0f : fast_exp2(m_old - m_new);
                     corr_s[h] = corr;
