@@ -11,6 +11,7 @@ skip (cupy's nvrtc module is hipRTC there).
 """
 
 import os
+import subprocess
 
 import pytest
 
@@ -135,7 +136,6 @@ def test_hip_command_matches_hiprtc_and_the_code_object_its_wavefront(tmp_path, 
     variant = catalogue.DecodeVariant("float16", 64, 1)
     with open(src, "w") as f:
         f.write(catalogue.module_source(variant))
-    import subprocess
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     sizes = offline.kernel_wavefront_sizes(tools, out)
@@ -176,3 +176,55 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
                   "\"cluster size\");")
     source = catalogue.batch_source(mma[:1]) + "\n".join(checks) + "\n"
     assert offline._compile_nvrtc(source, "ring_layout", Target("sm_90")) > 0
+
+
+def fake_hip_tree(root, version=(7, 0)):
+    """The smallest include root CUPA_HIPRTC_HEADERS accepts: hip_runtime.h (what it defines
+    depends on __HIPCC_RTC__), hip_bfloat16.h, hip_version.h and the appended headers."""
+    hip = root / "hip"
+    (hip / "amd_detail").mkdir(parents=True)
+    (hip / "hip_version.h").write_text(f"#define HIP_VERSION_MAJOR {version[0]}\n"
+                                       f"#define HIP_VERSION_MINOR {version[1]}\n")
+    (hip / "hip_runtime.h").write_text(
+        "#ifdef __HIPCC_RTC__\nint rtc_mode_seen;\n#endif\n"
+        "int hip_version_seen[HIP_VERSION_MAJOR * 100 + HIP_VERSION_MINOR];\n")
+    (hip / "hip_bfloat16.h").write_text("")
+    for name in offline.RTC_APPENDED_HEADERS:
+        (hip / name).write_text(f"// appended {name}\n")
+    return root
+
+
+def test_hiprtc_header_is_made_like_hiprtcs_own(tmp_path, monkeypatch):
+    """With CUPA_HIPRTC_HEADERS the offline compile includes a hiprtc_runtime.h made from that
+    tree (preprocessed in RTC mode, the macros, the device headers appended) and compiles in
+    hipRTC's mode."""
+    require_compilers([hip_missing("gfx942")])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = fake_hip_tree(tmp_path / "hip-tree")
+    monkeypatch.setenv(offline.RTC_HEADERS_ENV, str(root))
+    tools = offline.hip_toolchain("gfx942")
+    text = open(tools.rtc_header).read()
+    assert "int rtc_mode_seen;" in text and "hip_version_seen[7 * 100 + 0]" in text
+    assert "#define __global__ __attribute__((global))" in text
+    assert text.index("#define __global__") < text.index("// appended hip_common.h") \
+        < text.index("// appended amd_detail/amd_math_functions.h")
+    command = offline.hip_command(tools, Target("gfx942"), "k.hip", "k.hsaco")
+    assert command[command.index("-include") + 1] == tools.rtc_header
+    assert "-D__HIPCC_RTC__" in command and "hip/hip_runtime.h" not in command
+    assert not any(part.endswith("hip.bc") for part in command)
+
+
+def test_missing_hip_version_is_explained(tmp_path, monkeypatch):
+    root = fake_hip_tree(tmp_path / "hip-tree")
+    (root / "hip" / "hip_version.h").unlink()
+    with pytest.raises(offline.CompilerMissing, match="hip_version.h"):
+        offline._hip_version(str(root))
+
+
+@pytest.mark.skipif(not os.environ.get(offline.RTC_HEADERS_ENV),
+                    reason=f"{offline.RTC_HEADERS_ENV} not set (a ROCm HIP + clr header tree)")
+def test_representative_variants_compile_with_the_hiprtc_header():
+    require_compilers([hip_missing("gfx942")])
+    results = compile_all(offline.HIP_TARGETS, progress=False, representative=True)
+    failed = [(v.entry_names[0], t, d[:1500]) for (v, t), (ok, d) in results.items() if not ok]
+    assert results and not failed, failed[:2]

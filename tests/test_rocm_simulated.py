@@ -97,15 +97,13 @@ def test_rdna_in_wave64_compiles_to_wave64_kernels(tmp_path):
     if offline.hip_toolchain_missing("gfx1100"):
         pytest.skip(offline.hip_toolchain_missing("gfx1100"))
     info = device.info_from_properties(0, dict(DEVICES["gfx1100"], warpSize=64), rocm=True)
-    sizes = []
     tools = offline.hip_toolchain("gfx1100")
     src, out = tmp_path / "k.hip", tmp_path / "k.hsaco"
     src.write_text(catalogue.module_source(catalogue.CacheWriteVariant("float16")))
     result = subprocess.run(offline.hip_command(tools, info.target, str(src), str(out)),
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    sizes = offline.kernel_wavefront_sizes(tools, str(out))
-    assert sizes == [64]
+    assert offline.kernel_wavefront_sizes(tools, str(out)) == [64]
 
 
 def shapes():

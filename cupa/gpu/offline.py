@@ -12,9 +12,11 @@ run-time compilers add on their own, so that what is checked here is what a GPU 
   object's metadata then must say the wavefront size the kernels were written for (CUPA_WARP).
 
 What still differs from a ROCm 7 node (no AMD GPU or ROCm install was available): the HIP
-headers (Debian's HIP 5.2, included whole, where hipRTC uses ROCm 7's as its built-in
-hiprtc_runtime.h with __HIPCC_RTC__) and the device libraries (Debian's ROCm 5.2 bitcode, with
-oclc_isa_version files made here for the targets it predates).
+headers (by default Debian's HIP 5.2, included whole, where hipRTC uses ROCm 7's as its built-in
+hiprtc_runtime.h with __HIPCC_RTC__; CUPA_HIPRTC_HEADERS makes and uses such a header from a HIP
++ clr source tree instead), the device libraries (Debian's ROCm 5.2 bitcode, with
+oclc_isa_version files made here for the targets it predates) and the compiler (upstream clang,
+not ROCm's LLVM behind comgr).
 """
 
 from __future__ import annotations
@@ -315,12 +317,118 @@ def _links_hip_bitcode(clang: str, library_dir: str) -> bool:
     return "hip.bc" in result.stderr
 
 
+# --- hipRTC's built-in header, from a HIP source tree ------------------------------------------
+
+# CUPA_HIPRTC_HEADERS=<dir>: an include root holding ROCm's HIP headers as hipRTC is built from
+# them (ROCm/HIP's include/hip merged with ROCm/clr's hipamd/include/hip, and a hip_version.h).
+# The offline compile then uses a hiprtc_runtime.h made from them the way clr's
+# hipamd/src/hiprtc/CMakeLists.txt makes hipRTC's own (hip_runtime.h and hip_bfloat16.h
+# preprocessed with __HIPCC_RTC__ through clang's HIP wrapper, the attribute macros, then the
+# device-side headers appended whole), with -D__HIPCC_RTC__ -nogpuinc as hipRTC compiles.
+RTC_HEADERS_ENV = "CUPA_HIPRTC_HEADERS"
+RTC_APPENDED_HEADERS = (
+    "hip_common.h", "amd_detail/device_library_decls.h", "amd_detail/hip_assert.h",
+    "library_types.h", "driver_types.h", "surface_types.h", "amd_detail/amd_channel_descriptor.h",
+    "texture_types.h", "amd_detail/ockl_image.h", "amd_detail/texture_fetch_functions.h",
+    "amd_detail/texture_indirect_functions.h", "amd_detail/amd_surface_functions.h",
+    "amd_detail/amd_hip_complex.h", "amd_detail/amd_hip_math_constants.h",
+    "amd_detail/math_fwd.h", "amd_detail/amd_warp_functions.h",
+    "amd_detail/amd_device_functions.h", "amd_detail/amd_warp_sync_functions.h",
+    "amd_detail/hip_cooperative_groups_helper.h", "amd_detail/amd_hip_cooperative_groups.h",
+    "amd_detail/amd_hip_unsafe_atomics.h", "amd_detail/amd_hip_atomic.h",
+    "amd_detail/hip_fp16_math_fwd.h", "amd_detail/amd_hip_fp16.h",
+    "amd_detail/amd_math_functions.h")
+# What hipRTC defines between the preprocessed part and the appended headers: the CUDA-style
+# attributes (no host_defines.h in RTC mode), launch bounds, include guards of the headers the
+# preprocessed part already holds, and the two std types the appended headers use.
+RTC_MACROS = """
+#define __host__ __attribute__((host))
+#define __device__ __attribute__((device))
+#define __global__ __attribute__((global))
+#define __shared__ __attribute__((shared))
+#define __constant__ __attribute__((constant))
+#define __align__(n) __attribute__((aligned(n)))
+#if !defined(__has_feature) || !__has_feature(cuda_noinline_keyword)
+#define __noinline__ __attribute__((noinline))
+#endif
+#define __forceinline__ inline __attribute__((always_inline))
+#define __hip_img_chk__
+#define __cupa_bounds1(threads) __attribute__((amdgpu_flat_work_group_size(1, threads)))
+#define __cupa_bounds2(threads, blocks) \\
+    __attribute__((amdgpu_flat_work_group_size(1, threads), amdgpu_waves_per_eu(blocks)))
+#define __cupa_bounds_pick(_1, _2, chosen, ...) chosen
+#define __launch_bounds__(...) \\
+    __cupa_bounds_pick(__VA_ARGS__, __cupa_bounds2, __cupa_bounds1)(__VA_ARGS__)
+#define HIP_INCLUDE_HIP_HIP_RUNTIME_H
+#define _HIP_BFLOAT16_H_
+#define HIP_INCLUDE_HIP_MATH_FUNCTIONS_H
+#define HIP_INCLUDE_HIP_HIP_VECTOR_TYPES_H
+typedef __PTRDIFF_TYPE__ ptrdiff_t;
+typedef long clock_t;
+namespace std { using ::ptrdiff_t; using ::clock_t; }
+"""
+
+
+def _hip_version(include_root: str) -> tuple[int, int]:
+    path = os.path.join(include_root, "hip", "hip_version.h")
+    try:
+        text = open(path).read()
+    except OSError:
+        raise CompilerMissing(f"{RTC_HEADERS_ENV}: {path} missing (clr generates it when it is "
+                              "built; write one defining HIP_VERSION_MAJOR/MINOR/PATCH)")
+    found = dict(re.findall(r"#define\s+HIP_VERSION_(MAJOR|MINOR)\s+(\d+)", text))
+    return int(found.get("MAJOR", 0)), int(found.get("MINOR", 0))
+
+
+@functools.lru_cache(maxsize=None)
+def hiprtc_header(include_root: str, clang: str) -> str:
+    """hiprtc_runtime.h made from the HIP headers under `include_root` (see RTC_HEADERS_ENV),
+    cached under ~/.cache/cupa by headers and clang release."""
+    major, minor = _hip_version(include_root)
+    listing = sorted(glob.glob(os.path.join(include_root, "hip", "**", "*.h*"), recursive=True))
+    stamp = " ".join(f"{p}:{os.path.getmtime(p)}" for p in listing)
+    key = hashlib.sha1(f"{stamp} {_clang_major(clang)}".encode()).hexdigest()[:12]
+    path = os.path.join(_cache_root(), f"hiprtc_runtime-{key}.h")
+    if os.path.exists(path):
+        return path
+    os.makedirs(_cache_root(), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cupa-rtc-") as tmp:
+        top = os.path.join(tmp, "top.h")
+        with open(top, "w") as f:  # what clr's generate_hiprtc_header writes
+            f.write('#pragma push_macro("CHAR_BIT")\n#pragma push_macro("INT_MAX")\n'
+                    "#define CHAR_BIT __CHAR_BIT__\n#define INT_MAX __INTMAX_MAX__\n"
+                    '#include "hip/hip_runtime.h"\n#include "hip/hip_bfloat16.h"\n'
+                    '#pragma pop_macro("CHAR_BIT")\n#pragma pop_macro("INT_MAX")\n')
+        resource = os.path.join(_clang_resource_dir(clang), "include")
+        result = subprocess.run(
+            [clang, "-x", "hip", "--cuda-device-only", "-nogpulib", "-nogpuinc", "-std=c++17",
+             "-O3", "-D__HIPCC_RTC__", f"-DHIP_VERSION_MAJOR={major}",
+             f"-DHIP_VERSION_MINOR={minor}", "-isystem", os.path.join(resource, "cuda_wrappers"),
+             "-isystem", include_root, "-include", "__clang_hip_runtime_wrapper.h",
+             "-E", "-P", top], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"preprocessing the hipRTC header failed:\n{result.stderr}")
+        parts = ["#pragma clang diagnostic push",
+                 '#pragma clang diagnostic ignored "-Weverything"', result.stdout, RTC_MACROS]
+        for name in dict.fromkeys(RTC_APPENDED_HEADERS):
+            with open(os.path.join(include_root, "hip", name)) as f:
+                parts.append(f.read())
+        parts.append("#pragma clang diagnostic pop\n")
+        staged = os.path.join(tmp, "hiprtc_runtime.h")
+        with open(staged, "w") as f:
+            f.write("\n".join(parts))
+        shutil.move(staged, path + ".part")
+        os.replace(path + ".part", path)
+    return path
+
+
 @dataclass(frozen=True)
 class HipToolchain:
     clang: str
     include_dir: str
     device_libs: str   # the overlay directory
     readelf: str
+    rtc_header: str | None = None  # hiprtc_runtime.h made from $CUPA_HIPRTC_HEADERS
 
 
 def hip_toolchain(arch: str) -> HipToolchain:
@@ -332,7 +440,8 @@ def hip_toolchain(arch: str) -> HipToolchain:
         raise CompilerMissing(f"no clang that knows {arch}" + (
             f" ({known} does not; gfx950 needs clang >= 20: apt-get install clang-22 lld-22)"
             if known else f" ({INSTALL_HINT})"))
-    include = hip_include_dir(clang)
+    rtc_root = os.environ.get(RTC_HEADERS_ENV) or None
+    include = rtc_root or hip_include_dir(clang)
     if include is None:
         raise CompilerMissing("hip/hip_runtime.h not found (apt-get install libamdhip64-dev)")
     libs = device_library_dir(clang)
@@ -346,7 +455,8 @@ def hip_toolchain(arch: str) -> HipToolchain:
             and not shutil.which(f"ld.lld-{_clang_major(clang)}") and not shutil.which("ld.lld"):
         raise CompilerMissing(f"lld for {clang} not found (apt-get install "
                               f"lld-{_clang_major(clang)})")
-    return HipToolchain(clang, include, _device_library_overlay(libs, clang), readelf)
+    return HipToolchain(clang, include, _device_library_overlay(libs, clang), readelf,
+                        hiprtc_header(rtc_root, clang) if rtc_root else None)
 
 
 def hip_toolchain_missing(arch: str) -> str | None:
@@ -362,16 +472,20 @@ def hip_command(tools: HipToolchain, target: Target, src: str, out: str) -> list
     """The clang command line that builds `src` into a linked code object `out` for `target`,
     with the options hipRTC would get at run time."""
     clang = tools.clang
-    # hipRTC provides the HIP device API implicitly; offline the packaged headers are included.
-    # Debian's include clang's CUDA wrappers as <include/cuda_wrappers/...>, hence the resource
-    # directory on the system include path.
-    headers = ["-nogpuinc", "-isystem", _clang_resource_dir(clang),
-               *([] if tools.include_dir == "/usr/include" else ["-isystem", tools.include_dir]),
-               "-include", "hip/hip_runtime.h", "-D__HIP_PLATFORM_AMD__=1"]
+    if tools.rtc_header:  # as hipRTC compiles: its built-in header, RTC mode
+        headers = ["-nogpuinc", "-D__HIPCC_RTC__", "-include", tools.rtc_header]
+    else:
+        # hipRTC provides the HIP device API implicitly; offline the packaged headers are
+        # included. Debian's include clang's CUDA wrappers as <include/cuda_wrappers/...>, hence
+        # the resource directory on the system include path.
+        headers = ["-nogpuinc", "-isystem", _clang_resource_dir(clang),
+                   *([] if tools.include_dir == "/usr/include" else
+                     ["-isystem", tools.include_dir]),
+                   "-include", "hip/hip_runtime.h", "-D__HIP_PLATFORM_AMD__=1"]
     if not _defines_wavefront_macro(clang):
         headers.append(f"-D__AMDGCN_WAVEFRONT_SIZE={target.warp_size}")
     libraries = [f"--rocm-device-lib-path={tools.device_libs}"]
-    if not _links_hip_bitcode(clang, tools.device_libs) and \
+    if not tools.rtc_header and not _links_hip_bitcode(clang, tools.device_libs) and \
             os.path.exists(os.path.join(tools.device_libs, "hip.bc")):
         libraries += ["-Xclang", "-mlink-builtin-bitcode", "-Xclang",
                       os.path.join(tools.device_libs, "hip.bc")]
