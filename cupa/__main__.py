@@ -1,4 +1,4 @@
-"""Command line: `python -m cupa info | compile | bench`."""
+"""Command line: `python -m cupa info | compile | bench | selftest`."""
 
 from __future__ import annotations
 
@@ -13,21 +13,18 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 def cmd_info(args) -> int:
     import numpy as np
 
-    from . import __version__, arrays
-    from .gpu import catalogue
-    from .gpu.offline import hip_compiler, hip_include_dir
+    from . import __version__, arrays, platform
+    from .gpu import catalogue, offline
     from .fp8 import default_kv_format
     print(f"cupa {__version__}  (numpy {np.__version__})")
     cupy = arrays.cupy_module()
     if cupy is None:
         print("cupy: not installed -> backend 'numpy' (install cupa[cuda12|cuda13|rocm] for GPU)")
     else:
-        is_hip = bool(cupy.cuda.runtime.is_hip)
-        print(f"cupy: {cupy.__version__} built for {'ROCm/HIP' if is_hip else 'CUDA'}")
-        if is_hip:
-            hipcc = shutil.which("hipcc") or ("NO - CuPy >= 14.1 runs hipcc to find headers; "
-                                              "add /opt/rocm/bin to PATH")
-            print(f"hipcc on PATH: {hipcc}")
+        rocm = platform.is_rocm()
+        print(f"cupy: {cupy.__version__} built for {'ROCm/HIP' if rocm else 'CUDA'}")
+        if rocm:
+            print(f"hipcc on PATH: {shutil.which('hipcc') or 'NO - ' + platform.hipcc_missing()}")
         if arrays.gpu_available():
             from .gpu.device import device_info
             info = device_info()
@@ -45,8 +42,17 @@ def cmd_info(args) -> int:
             print("device: none visible -> backend 'numpy'")
         cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
         print(f"kernel cache dir: {cache_dir}")
-    print(f"offline HIP compiler: {hip_compiler() or 'not found'} "
-          f"(headers: {hip_include_dir() or 'not found'})")
+    print("offline compile (python -m cupa compile):")
+    for target in offline.targets_by_default():
+        if target.startswith("gfx"):
+            why = offline.hip_toolchain_missing(target)
+            clang = offline.hip_compiler(target)
+            how = why or (f"{clang}, headers {offline.hip_include_dir(clang)}, "
+                          f"device libraries {offline.device_library_dir(clang)}")
+        else:
+            why = offline.nvrtc_missing()
+            how = why or "NVRTC (cupy)"
+        print(f"  {target:<8} {'NO - ' if why else ''}{how}")
     print(f"kernel variants: {len(catalogue.all_variants())} "
           f"({', '.join(f'{k}: {len(f())}' for k, f in catalogue.VARIANT_FAMILIES.items())})")
     print(f"default backend: {'gpu' if arrays.gpu_available() else 'numpy'}")
@@ -66,52 +72,102 @@ def _compile_batch(job):
         return batch, arch, False, str(exc), time.perf_counter() - start
 
 
-def compile_all(targets, jobs=None, progress=True):
-    """Compile every variant for every target, in batches of one source file and dtype (one
-    compiler run each); returns {(variant, arch): (ok, detail)}. A failing batch marks each of
-    its variants failed, with the compiler's log naming the instantiation at fault."""
-    from .gpu import catalogue
-    work = [(batch, a) for a in targets for batch in catalogue.offline_batches(a)]
+def _batch_cost(batch) -> int:
+    """A batch's compile time, roughly: the registers its kernels keep per thread grow with
+    head size x query rows."""
+    return sum(getattr(v, "head_size", 32) * getattr(v, "rows", 1) for v in batch)
+
+
+def compile_all(targets, jobs=None, progress=True, representative=False):
+    """Compile the variants of every target (all, or offline.representative_variants), in
+    batches of one source file and dtype (one compiler run each); returns
+    {(variant, arch): (ok, detail)}. A failing batch marks each of its variants failed, with
+    the compiler's log naming the instantiation at fault.
+
+    progress: a line on stderr per finished batch (rewritten in place on a terminal)."""
+    from .gpu import catalogue, offline
+    pick = offline.representative_variants if representative else catalogue.all_variants
+    work = [(batch, a) for a in targets for batch in offline.variant_batches(pick(a))]
+    # Longest first, so that the last batches to finish are short ones (the pool's tail).
+    work.sort(key=lambda job: -_batch_cost(job[0]))
     total = sum(len(batch) for batch, _ in work)
     results = {}
     start = time.perf_counter()
+    in_place = sys.stderr.isatty()
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
         futures = [pool.submit(_compile_batch, job) for job in work]
         for future in as_completed(futures):
-            batch, arch, ok, detail, _ = future.result()
+            batch, arch, ok, detail, seconds = future.result()
             results.update({(v, arch): (ok, detail) for v in batch})
             if progress:
-                print(f"\r  compiled {len(results)}/{total} variants in "
-                      f"{time.perf_counter() - start:.0f} s"
-                      + ("" if ok else f"  FAILED a batch of {batch[0].entry_names[0]} on {arch}"),
-                      end="\n" if (len(results) == total or not ok) else "", file=sys.stderr,
-                      flush=True)
+                done = len(results) == total
+                print(f"{chr(13) if in_place else ''}  compiled {len(results)}/{total} variants "
+                      f"in {time.perf_counter() - start:.0f} s  (last: {len(batch)} of "
+                      f"{batch[0].entry_names[0]} on {arch}, {seconds:.1f} s"
+                      f"{'' if ok else ', FAILED'})", end="\n" if (done or not ok or not in_place)
+                      else "", file=sys.stderr, flush=True)
     return results
+
+
+def _default_targets() -> tuple[list[str], list[str]]:
+    """(targets this machine can compile, [note for each one it cannot]) of the defaults."""
+    from .gpu import offline
+    usable, notes = [], []
+    for target in offline.targets_by_default():
+        why = (offline.nvrtc_missing() if not target.startswith("gfx") else
+               offline.hip_toolchain_missing(target))
+        if why:
+            notes.append(f"{target}: skipped, {why}")
+        else:
+            usable.append(target)
+    return usable, notes
 
 
 def cmd_compile(args) -> int:
     from .gpu import catalogue
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    results = compile_all(targets, jobs=args.jobs)
+    from .gpu import offline
+    if args.targets == "all":
+        targets = list(offline.ALL_TARGETS)
+    elif args.targets:
+        targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    else:  # the defaults this machine has compilers for; named targets must all compile
+        targets, notes = _default_targets()
+        for note in notes:
+            print(note, file=sys.stderr)
+        if not targets:
+            print("no offline compiler for any default target", file=sys.stderr)
+            return 1
+    started = time.perf_counter()
+    results = compile_all(targets, jobs=args.jobs, representative=args.representative)
+    elapsed = time.perf_counter() - started
     width = max(len(v.entry_names[0]) for v in catalogue.all_variants())
     print(f"{'variant':<{width}}  " + "  ".join(f"{t:>8}" for t in targets))
     failures = []
     for v in catalogue.all_variants():
         cells = []
         for t in targets:
-            if (v, t) not in results:  # a family that does not exist for this target
+            if (v, t) not in results:  # not for this target, or not in the subset
                 cells.append(f"{'-':>8}")
                 continue
             ok, detail = results[(v, t)]
             cells.append(f"{'ok' if ok else 'FAIL':>8}")
             if not ok:
                 failures.append((v, t, detail))
-        print(f"{v.entry_names[0]:<{width}}  " + "  ".join(cells))
+        if any(cell.strip() != "-" for cell in cells):
+            print(f"{v.entry_names[0]:<{width}}  " + "  ".join(cells))
     total = len(results)
-    print(f"{total - len(failures)}/{total} compiled for {', '.join(targets)}")
-    for v, t, detail in failures[:5]:
-        print(f"\n--- {v.entry_names[0]} on {t}:\n{detail[:4000]}", file=sys.stderr)
+    print(f"{total - len(failures)}/{total} compiled for {', '.join(targets)} in {elapsed:.0f} s")
+    shown = set()
+    for v, t, detail in failures:  # each distinct log once (a batch's variants share theirs)
+        if detail not in shown and len(shown) < 5:
+            shown.add(detail)
+            print(f"\n--- {v.entry_names[0]} on {t}:\n{detail[:4000]}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def cmd_selftest(args) -> int:
+    from .selftest import main as selftest_main
+    return selftest_main(args)
 
 
 def cmd_bench(args) -> int:
@@ -120,19 +176,28 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    from .gpu.offline import DEFAULT_TARGETS
+    from .gpu.offline import ALL_TARGETS
     parser = argparse.ArgumentParser(prog="python -m cupa",
                                      description="cupa: paged decode attention without PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, arch, warp size, compiler, kernel cache")
     p = sub.add_parser("compile", help="compile every kernel variant offline (no GPU needed)")
-    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                   help="comma-separated sm_XX / gfxXXXX targets (default: %(default)s)")
+    p.add_argument("--targets", default=None,
+                   help="comma-separated sm_XX / gfxXXXX targets, or 'all' "
+                        f"({','.join(ALL_TARGETS)}), each of which must compile (default: those "
+                        "of 'all' this machine has a compiler for; not sm_XX on ROCm)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
+    p.add_argument("--representative", action="store_true",
+                   help="only the representative subset the test suite compiles by default")
+    p = sub.add_parser("selftest", help="every kernel variant this GPU can use against the "
+                                        "float64 reference (exit 1 on a mismatch, 2 without GPU)")
+    p.add_argument("--kernel", default=None, help="only the kernels whose name contains this")
     from .bench.main import add_arguments
     add_arguments(sub.add_parser("bench", help="time decode against the copy ceiling and peers"))
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "compile": cmd_compile, "bench": cmd_bench}[args.command](args)
+    commands = {"info": cmd_info, "compile": cmd_compile, "bench": cmd_bench,
+                "selftest": cmd_selftest}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

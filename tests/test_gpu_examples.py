@@ -17,9 +17,15 @@ import sys
 import numpy as np
 import pytest
 
+from cupa import platform
 from cupa.arrays import gpu_available
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
+# The engine's graph steps capture cuBLAS calls made through libcublas (examples/llm/cublas.py),
+# and the engine turns graphs off on HIP: on ROCm these tests have nothing to run.
+ENGINE_GRAPHS_NEED_CUDA = pytest.mark.skipif(
+    platform.is_rocm(), reason="CUDA-only: the example engine's graph steps use cuBLAS "
+                               "(examples/llm/cublas.py); on ROCm it decodes eagerly")
 
 # The tiny checkpoints and their reference greedy outputs: the CPU tests' fixtures (built again
 # for this module, as they are module-scoped).
@@ -160,6 +166,7 @@ def run_graph_case(path, *, graphs, dtype="float32", prompts=PROMPTS, max_new=ST
     return seqs, engine
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 def test_gpu_graph_steps_match_eager_and_reference(models):
     model = models["llama"]
     rows_seen = []
@@ -182,6 +189,7 @@ def test_gpu_graph_steps_match_eager_and_reference(models):
     assert stats.graph_device_time > 0
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_graph_gemm_matches_cupy(dtype):
     import cupy
@@ -205,6 +213,7 @@ def test_gpu_graph_gemm_matches_cupy(dtype):
     np.testing.assert_allclose(got.get(), want.get(), rtol=1e-4, atol=1e-3)
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 def test_gpu_graphs_are_the_default_for_paged_only(models):
     model, _ = load_model(models["llama"]["path"], backend="gpu", progress=False)
     cache = make_cache(model, 8, 16, "gpu")
@@ -214,6 +223,7 @@ def test_gpu_graphs_are_the_default_for_paged_only(models):
         Engine(model, cache, backend="gpu", attention="naive", graphs=True)
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 def test_gpu_graph_steps_with_preemption(models):
     model = models["llama"]
     staggered = [16, 12, 16, 6]  # one preemption; batches of 4, 3, 2 and 1
@@ -228,6 +238,7 @@ def test_gpu_graph_steps_with_preemption(models):
                                              for p, n in zip(PREEMPT_PROMPTS, staggered)]
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 def test_gpu_graph_steps_sample_like_eager(models):
     path = models["llama"]["path"]
     graph, _ = run_graph_case(path, graphs=True, temperature=0.9)
@@ -235,6 +246,7 @@ def test_gpu_graph_steps_sample_like_eager(models):
     assert [s.output_ids for s in graph] == [s.output_ids for s in eager]
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_gpu_graph_logits_close_to_eager(models, dtype):
     path, runs = models["llama"]["path"], {}
@@ -258,6 +270,7 @@ def test_gpu_graph_logits_close_to_eager(models, dtype):
     assert worst <= GRAPH_VS_EAGER_BOUND[dtype], worst
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 def test_gpu_prepare_graphs_captures_ahead(models, expected):
     model, _ = load_model(models["llama"]["path"], backend="gpu", dtype="float32",
                           progress=False)
@@ -270,6 +283,7 @@ def test_gpu_prepare_graphs_captures_ahead(models, expected):
     assert engine.stats.decode_time > 0
 
 
+@ENGINE_GRAPHS_NEED_CUDA
 def test_gpu_cli_no_graphs(models, expected):
     args = _cli_json_args(models)
     runs = {}

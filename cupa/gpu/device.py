@@ -6,6 +6,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+from .. import platform
 from ..arrays import cupy_module
 from . import catalogue
 
@@ -19,6 +20,12 @@ class Target:
     # The emulated AMD build (tests and the bench, never users): this AMD target's semantics
     # compiled by NVRTC for the NVIDIA GPU present (kernels/amd_emulation.cuh, docs/amd_emulation.md).
     emulated: bool = False
+
+    def __post_init__(self):
+        # CDNA (gfx9) has no wave32 mode: clang would ignore the request and build wave64
+        # kernels for code written for 32 lanes.
+        if self.is_hip and self.arch.startswith("gfx9") and self.warp_size != 64:
+            raise ValueError(f"{self.arch} runs wavefronts of 64 only, not {self.warp_size}")
 
     @property
     def is_hip(self) -> bool:
@@ -43,6 +50,12 @@ class Target:
             defines += ["-DCUPA_EMULATE_AMD=1", f"-DCUPA_EMULATE_GFX=0x{self.arch[3:]}"]
         return defines
 
+    def wavefront_option(self) -> str:
+        """The HIP option that makes the compiler build kernels of this target's wavefront
+        size (CUPA_WARP). Said explicitly, as hipRTC's default follows the processor, and a
+        device may report a warp size other than its processor's default."""
+        return "-mwavefrontsize64" if self.warp_size == 64 else "-mno-wavefrontsize64"
+
     def runtime_options(self) -> tuple[str, ...]:
         """Options for cupy.RawModule on this target (cupy adds the arch itself).
 
@@ -52,7 +65,7 @@ class Target:
         """
         extra = os.environ.get("CUPA_EXTRA_OPTIONS", "").split()
         if self.compiles_with_hiprtc:
-            return tuple(self.defines() + ["-std=c++17", "-O3"] + extra)
+            return tuple(self.defines() + ["-std=c++17", "-O3", self.wavefront_option()] + extra)
         return tuple(self.defines() + ["--std=c++17"] + extra)
 
 
@@ -97,18 +110,26 @@ def device_info(index: int | None = None) -> DeviceInfo:
 @functools.lru_cache(maxsize=None)
 def _device_info(index: int) -> DeviceInfo:
     cupy = cupy_module()
-    props = cupy.cuda.runtime.getDeviceProperties(index)
+    return info_from_properties(index, cupy.cuda.runtime.getDeviceProperties(index),
+                                rocm=platform.is_rocm())
+
+
+def info_from_properties(index: int, props: dict, *, rocm: bool) -> DeviceInfo:
+    """DeviceInfo from the runtime's device properties (cudaDeviceProp / hipDeviceProp_t as
+    cupy returns them). Separate from the query so that simulated devices take the same path."""
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    if cupy.cuda.runtime.is_hip:
+    if rocm:
         arch = props["gcnArchName"]
         arch = (arch.decode() if isinstance(arch, bytes) else str(arch)).split(":")[0]
     else:
         arch = f"sm_{props['major']}{props['minor']}"
+    # The device's own warp size wins over the name rule; Target then compiles for it (on HIP
+    # with the matching wavefront option) or refuses what the hardware cannot run.
     warp = int(props.get("warpSize", Target(arch).warp_size))
     target = Target(arch) if warp == Target(arch).warp_size else Target(arch, warp)
     emulate = emulated_target()
     if emulate is not None:
-        if cupy.cuda.runtime.is_hip:
+        if rocm:
             raise RuntimeError("CUPA_EMULATE emulates an AMD target on an NVIDIA GPU; this is "
                                "a ROCm device: unset it")
         target = Target(emulate, emulated=True)
@@ -122,5 +143,4 @@ def _device_info(index: int) -> DeviceInfo:
                       shared_memory_per_sm=int(props.get("sharedMemPerMultiprocessor", 0)),
                       registers_per_sm=int(props.get("regsPerMultiprocessor", 65536)),
                       reserved_shared_per_block=int(props.get("reservedSharedMemPerBlock", 0)),
-                      hip_runtime=bool(cupy.cuda.runtime.is_hip))
-
+                      hip_runtime=rocm)
