@@ -189,7 +189,6 @@ def test_gpu_graph_steps_match_eager_and_reference(models):
     assert stats.graph_device_time > 0
 
 
-@ENGINE_GRAPHS_NEED_CUDA
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_graph_gemm_matches_cupy(dtype):
     import cupy

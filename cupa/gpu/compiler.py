@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+from .. import platform
 from ..arrays import cupy_module
 from . import catalogue
 from .device import device_info
@@ -32,6 +33,8 @@ def kernels(variant, device_index: int | None = None) -> dict:
             compiled = _modules.get(key)
             if compiled is None:
                 cupy = cupy_module()
+                if info.hip_runtime:  # cupy-rocm runs hipcc to find headers: say so clearly
+                    platform.require_hipcc()
                 module = cupy.RawModule(code=catalogue.module_source(variant), options=options)
                 compiled = {name: module.get_function(name) for name in variant.entry_names}
                 _allow_dynamic_shared(compiled, getattr(variant, "shared_bytes", 0))
