@@ -29,7 +29,7 @@ from ..problem import (MAX_QUERY_LEN, STORAGE_DTYPES, SUPPORTED_BLOCK_SIZES,
                        SUPPORTED_HEAD_SIZES)
 from ..validation import check_is_array, dtype_name
 from .blocks import OutOfBlocksError
-from .sequences import SequenceRecord, SequenceTable, check_seq_ids
+from .sequences import SequenceRecord, SequenceTable
 
 # Same-size unsigned integers: block copies move raw bits, which is exact for every dtype and
 # needs no bfloat16 support from the array library's copy kernels.
@@ -513,11 +513,9 @@ def _storage_dtype_name(dtype) -> str:
 
 
 def _seq_id_list(seq_ids) -> list:
-    """seq_ids as a list, ids checked (hashable, none twice). A lone str or bytes is refused:
-    iterating it would make one sequence per character."""
+    """seq_ids as a list. A lone str or bytes is refused: iterating it would make one sequence
+    per character."""
     if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
         raise TypeError(f"seq_ids: expected a list of sequence ids, got "
                         f"{type(seq_ids).__name__} {seq_ids!r}")
-    seq_ids = list(seq_ids)
-    check_seq_ids(seq_ids)
-    return seq_ids
+    return list(seq_ids)

@@ -454,13 +454,19 @@ def check_hashable(seq_id, name: str):
 
 def check_seq_ids(seq_ids: list):
     """TypeError for unhashable ids, ValueError for an id given twice in one call."""
-    seen = set()
-    for i, seq_id in enumerate(seq_ids):
-        check_hashable(seq_id, f"seq_ids[{i}]")
-        if seq_id in seen:
-            raise ValueError(f"seq_ids[{i}]: sequence {seq_id!r} appears more than once; each "
-                             f"sequence may appear only once per call")
-        seen.add(seq_id)
+    try:
+        unique = len(set(seq_ids)) == len(seq_ids)
+    except TypeError:  # find the unhashable one to name it
+        for i, seq_id in enumerate(seq_ids):
+            check_hashable(seq_id, f"seq_ids[{i}]")
+        raise
+    if not unique:
+        seen = set()
+        for i, seq_id in enumerate(seq_ids):
+            if seq_id in seen:
+                raise ValueError(f"seq_ids[{i}]: sequence {seq_id!r} appears more than once; "
+                                 f"each sequence may appear only once per call")
+            seen.add(seq_id)
 
 
 def normalise_salt(salt, name: str) -> bytes | None:
