@@ -55,15 +55,16 @@ FP8_FORMATS = {
 _SCALE_MIN = float(np.finfo(np.float32).tiny)
 
 
-def check_kv_format(kv_format) -> Fp8Format | None:
-    """The Fp8Format of a kv_format name, or None for None (the cache holds the query dtype)."""
+def check_kv_format(kv_format, name: str = "kv_format") -> Fp8Format | None:
+    """The Fp8Format of a kv_format name, or None for None (the cache holds the query dtype).
+    Errors name the argument as `name`."""
     if kv_format is None:
         return None
     if isinstance(kv_format, Fp8Format):
         return kv_format
     if isinstance(kv_format, str) and kv_format in FP8_FORMATS:
         return FP8_FORMATS[kv_format]
-    raise ValueError(f"kv_format: must be None or one of {', '.join(map(repr, FP8_FORMATS))}, "
+    raise ValueError(f"{name}: must be None or one of {', '.join(map(repr, FP8_FORMATS))}, "
                      f"got {kv_format!r}")
 
 
@@ -142,9 +143,27 @@ def _scale_array(scale, xp, reciprocal=False):
     if xp is not np and is_device_array(scale):
         values = to_device(scale).astype(np.float32)
         return 1 / values if reciprocal else values
-    values = np.asarray(scale, dtype=np.float32)
+    try:
+        with np.errstate(over="ignore"):  # too large for float32: inf, refused below
+            values = np.asarray(scale, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"scale: must be a number or a float array, got {scale!r}") from exc
     _check_scale_values(values, "scale")
     return xp.asarray(np.float32(1) / values if reciprocal else values)
+
+
+def _check_broadcast(values_shape, scale, name: str):
+    """ValueError naming `scale` when it cannot broadcast against the values."""
+    try:
+        scale_shape = to_device(scale).shape if is_device_array(scale) else np.shape(scale)
+    except ValueError:  # ragged: _scale_array names it
+        return
+    try:
+        np.broadcast_shapes(tuple(values_shape), tuple(scale_shape))
+    except ValueError:
+        raise ValueError(f"scale: shape {tuple(scale_shape)} does not broadcast against {name} "
+                         f"(shape {tuple(values_shape)}); per-head scales of rows [tokens, "
+                         f"heads, head_size] are [heads, 1]") from None
 
 
 def _encode(y, sign, fmt: Fp8Format, xp):
@@ -177,12 +196,13 @@ def quantize_fp8(x, fmt, scale=1.0):
     rows [tokens, num_kv_heads, head_size]), positive and finite. cupy in -> cupy out, computed
     with cupy element-wise operations.
     """
-    fmt = check_kv_format(fmt)
+    fmt = check_kv_format(fmt, "fmt")
     if fmt is None:
         raise ValueError("fmt: an fp8 format is required, got None")
     xp, x = _with_xp(x)
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise ValueError(f"x: must be a float array, got {x.dtype}")
+    _check_broadcast(x.shape, scale, "x")
     sign = _sign_bits(x, xp)
     inv = _scale_array(scale, xp, reciprocal=True)
     with np.errstate(all="ignore"):  # signalling NaNs and overflow to inf are expected here
@@ -217,12 +237,13 @@ def dequantize_fp8(codes, fmt, scale=1.0):
     """float32 values of fp8 codes times scale (exact before the multiplication); NaN codes give
     NaN. codes: uint8 array, numpy or cupy (cupy in -> cupy out); scale broadcasts as in
     quantize_fp8."""
-    fmt = check_kv_format(fmt)
+    fmt = check_kv_format(fmt, "fmt")
     if fmt is None:
         raise ValueError("fmt: an fp8 format is required, got None")
     xp, codes = _with_xp(codes)
     if codes.dtype != np.uint8:
         raise ValueError(f"codes: must be a uint8 array, got {codes.dtype}")
+    _check_broadcast(codes.shape, scale, "codes")
     values = xp.asarray(decode_table(fmt))[codes]
     if isinstance(scale, (int, float)) and scale == 1:
         return values

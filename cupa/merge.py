@@ -15,12 +15,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays
-from .validation import dtype_name
+from .problem import STORAGE_DTYPES
+from .validation import check_is_array, dtype_name
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):
     """Merge two attention states; returns (out, lse). See the module docstring."""
-    return merge_states_n([out_a, out_b], [lse_a, lse_b])
+    return merge_states_n([out_a, out_b], [lse_a, lse_b])  # errors name outs[1], lses[1], ...
 
 
 def merge_states_n(outs, lses):
@@ -30,10 +31,16 @@ def merge_states_n(outs, lses):
     lses: float32 arrays of shape outs[0].shape[:-1]. Works on numpy and cupy arrays (device
     arrays stay on the device); the arithmetic is float32.
     """
+    for name, states in (("outs", outs), ("lses", lses)):
+        if isinstance(states, (str, bytes)) or not hasattr(states, "__iter__"):
+            raise TypeError(f"{name}: expected a list of arrays, got {type(states).__name__}")
     outs, lses = list(outs), list(lses)
     if not outs or len(outs) != len(lses):
         raise ValueError(f"outs and lses: need the same non-zero number of states, got "
                          f"{len(outs)} and {len(lses)}")
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        check_is_array(f"outs[{i}]", o)
+        check_is_array(f"lses[{i}]", x)
     template = outs[0]  # the result comes back as this kind of array
     on_gpu = any(arrays.is_device_array(x) for x in outs + lses)
     convert = arrays.to_device if on_gpu else arrays.to_host
@@ -41,12 +48,17 @@ def merge_states_n(outs, lses):
     outs = [convert(o) for o in outs]
     lses = [convert(x) for x in lses]
     shape, dtype = tuple(outs[0].shape), outs[0].dtype
+    # The result is cast back to the states' dtype: an integer one would truncate silently.
+    if dtype_name(dtype) not in STORAGE_DTYPES or len(shape) < 1:
+        raise TypeError(f"outs[0]: expected a float16, bfloat16 or float32 array "
+                        f"[..., head_size], got {dtype_name(dtype)} of shape {shape}")
     for i, (o, x) in enumerate(zip(outs, lses)):
         if tuple(o.shape) != shape or o.dtype != dtype:
-            raise ValueError(f"outs[{i}]: expected shape {shape} and dtype {dtype_name(dtype)}, "
-                             f"got {tuple(o.shape)} {dtype_name(o.dtype)}")
+            raise ValueError(f"outs[{i}]: expected shape {shape} and dtype {dtype_name(dtype)} "
+                             f"(those of outs[0]), got {tuple(o.shape)} {dtype_name(o.dtype)}")
         if tuple(x.shape) != shape[:-1]:
-            raise ValueError(f"lses[{i}]: expected shape {shape[:-1]}, got {tuple(x.shape)}")
+            raise ValueError(f"lses[{i}]: expected shape {shape[:-1]} (outs[0]'s without "
+                             f"head_size), got {tuple(x.shape)}")
         if dtype_name(x.dtype) != "float32":
             raise TypeError(f"lses[{i}]: dtype must be float32, got {dtype_name(x.dtype)}")
 

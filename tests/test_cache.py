@@ -26,12 +26,12 @@ class History:
         v = self.rng.standard_normal(shape).astype(DTYPES[self.cache.dtype])
         return k, v
 
-    def append(self, seq_ids, counts, token_ids=None):
+    def append(self, seq_ids, counts, token_ids=None, salts=None):
         """extend + write every layer; tokens served from the prefix cache copy the history of
         the sequence they came from (`source`)."""
         if isinstance(counts, int):
             counts = [counts] * len(seq_ids)
-        slots = self.cache.extend(seq_ids, counts, token_ids=token_ids)
+        slots = self.cache.extend(seq_ids, counts, token_ids=token_ids, salts=salts)
         for layer in range(self.cache.num_layers):
             k, v = self.rows_for(len(slots))
             self.cache.write(layer, slots, k, v)
@@ -363,6 +363,55 @@ def test_prefix_chain_continues_across_extends(rng):
     plain.extend(["a"], 17, token_ids=[tokens[:17]])
     plain.extend(["b"], 17, token_ids=[tokens[:17]])
     assert plain.num_cached_tokens("b") == 0
+
+
+def test_salts_keep_tenants_apart(rng):
+    """Equal tokens under different salts share no block, equal salts share as before, and
+    sequences without a salt hash exactly as without the feature."""
+    from cupa.cache.blocks import ROOT_HASH, block_hash
+    cache = make_cache(num_blocks=32, block_size=8, prefix=True)
+    history = History(cache, rng)
+    prompt = [int(t) for t in rng.integers(0, 1000, 30)]
+    history.append(["a"], 30, token_ids=[prompt], salts=["tenant-1"])
+    history.append(["b"], 30, token_ids=[prompt], salts=[b"tenant-2"])
+    assert cache.num_cached_tokens("b") == 0
+    assert not set(cache.block_table("a")) & set(cache.block_table("b"))
+    history.append(["c"], 30, token_ids=[prompt], salts=[b"tenant-1"])  # str = its UTF-8
+    assert cache.num_cached_tokens("c") == 24
+    np.testing.assert_array_equal(cache.block_table("c")[:3], cache.block_table("a")[:3])
+    history.fill_cached("c", "a")
+    history.append(["d"], 30, token_ids=[prompt])  # no salt: shares with no salted sequence
+    assert cache.num_cached_tokens("d") == 0
+    assert not set(cache.block_table("d")) & (set(cache.block_table("a"))
+                                              | set(cache.block_table("b")))
+    history.append(["e"], 30, token_ids=[prompt], salts=[None])
+    assert cache.num_cached_tokens("e") == 24
+    history.fill_cached("e", "d")
+    # Unsalted blocks keep today's names: the chain starts at the shared root.
+    first = block_hash(ROOT_HASH, prompt[:8])
+    assert cache._allocator.lookup(first) == cache.block_table("d")[0]
+    assert cache._allocator.lookup(block_hash(first, prompt[8:16])) == cache.block_table("d")[1]
+    history.check_decode(["a", "b", "c", "d", "e"])
+
+    # Freed (evictable) blocks stay private to their salt too.
+    for seq_id in ("a", "c", "d", "e"):
+        cache.free(seq_id)
+    cached = cache.num_cached_blocks
+    history.append(["f"], 17, token_ids=[prompt[:17]], salts=["tenant-3"])
+    assert cache.num_cached_tokens("f") == 0 and cache.num_cached_blocks == cached
+    slots = cache.extend(["g"], 17, token_ids=[prompt[:17]], salts=["tenant-1"])
+    assert cache.num_cached_tokens("g") == 16 and (slots[:16] == -1).all()
+    # A fork keeps its parent's salt: its later blocks are the parent tenant's.
+    history.fork("b", "b2")
+    with pytest.raises(ValueError, match="salt"):
+        cache.extend(["b2"], 1, salts=["tenant-1"])
+    cache.extend(["b2"], 2, token_ids=[[1, 2]], salts=["tenant-2"])
+
+    # Without prefix caching salts are checked and kept, and change nothing.
+    plain = make_cache(prefix=False)
+    plain.extend(["x"], 9, token_ids=[prompt[:9]], salts=["s"])
+    with pytest.raises(ValueError, match="salt"):
+        plain.extend(["x"], 1, salts=["t"])
 
 
 def test_tables_reuse_buffers_and_pad(rng):

@@ -17,7 +17,7 @@ from cases import REL_BOUND, rel_error
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 FORMATS = list(FP8_FORMATS)
-HEADS, HEAD_SIZE = 3, 32
+HEADS, HEAD_SIZE = 3, 64
 
 
 
@@ -119,7 +119,9 @@ def test_constructor_checks(rng):
                                           backend="numpy", **kw)
     with pytest.raises(ValueError, match="head_size"):
         make(head_size=72, kv_format="fp8_e4m3")  # 72 bytes: not a multiple of 16
-    make(head_size=72)  # 144 bytes of float16 are fine
+    with pytest.raises(ValueError, match="head_size"):
+        make(head_size=72)  # 144 bytes of float16, but not a head size decode serves
+    make(head_size=80)
     with pytest.raises(ValueError, match="kv_format") as info:
         make(kv_format="fp8")
     assert "fp8_e4m3fnuz" in str(info.value)

@@ -21,9 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import cupa
 from cupa.cache.blocks import OutOfBlocksError
 
-LAYERS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 12, 4, 4
-ALPHABET = 3  # few token ids, so that prefixes repeat and the prefix cache gets hits
-SHARED_PROMPT = [2, 0, 1, 1, 0, 2, 2, 1, 0]
+# The smallest shapes PagedKVCache accepts (those cupa.decode serves).
+LAYERS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 12, 8, 64
+MAX_NEW = 2 * BLOCK_SIZE + 2  # tokens per sequence and extend: 0 to 2 blocks and a bit
+ALPHABET = 2  # few token ids, so that prefixes repeat and the prefix cache gets hits
+SHARED_PROMPT = [1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1]
+# A new sequence's salt (tenant): prefixes of different salts must never share a block.
+SALTS = [None, None, None, None, "tenant-a", b"tenant-b"]
 STEPS = {"max_examples": 150, "stateful_step_count": 50}  # x 2 machines: ~14,000 steps
 executed_steps = {"count": 0, "machines": 0}
 
@@ -31,7 +35,18 @@ executed_steps = {"count": 0, "machines": 0}
 def row_value(codes: np.ndarray, layer: int) -> np.ndarray:
     """K rows (last axis) of tokens whose prefixes have ids `codes` (exact in float32); their V
     rows are -K - 1."""
-    return (codes * 8.0 + layer + np.array([0.0, 0.125, 0.25, 0.375])).astype(np.float32)
+    return (codes * 8.0 + layer + np.arange(HEAD_SIZE) / 128).astype(np.float32)
+
+
+def as_bytes(salt):
+    return salt.encode() if isinstance(salt, str) else salt
+
+
+def as_other_type(salt):
+    """The same salt as str if bytes and as bytes if str (the cache takes str as UTF-8)."""
+    if salt is None:
+        return None
+    return salt.decode() if isinstance(salt, bytes) else salt.encode()
 
 
 class ModelSeq:
@@ -40,10 +55,12 @@ class ModelSeq:
         self.blocks: list[int] = []      # abstract block ids (exact model only)
         self.swapped = False
         self.cached_tokens = 0
+        self.salt = None
 
     def copy(self):
         twin = ModelSeq()
         twin.codes, twin.blocks = list(self.codes), list(self.blocks)
+        twin.salt = self.salt  # a fork keeps its parent's salt
         twin.cached_tokens = self.cached_tokens  # a fork inherits its parent's history
         return twin
 
@@ -67,6 +84,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     def code_after(self, parent: int, token: int) -> int:
         return self.prefix_ids.setdefault((parent, token), len(self.prefix_ids) + 1)
+
+    def root_code(self, salt) -> int:
+        """Prefix id of the empty prefix under a salt: str salts are their UTF-8 bytes."""
+        return 0 if salt is None else self.code_after(0, ("salt", as_bytes(salt)))
 
     def new_block(self) -> int:
         self.next_block += 1
@@ -119,16 +140,22 @@ class CacheMachine(RuleBasedStateMachine):
         if not ids or data.draw(st.booleans()):
             ids.append(self.next_seq)
             self.next_seq += 1
-        counts = data.draw(st.lists(st.integers(0, 9), min_size=len(ids), max_size=len(ids)))
-        # Half the time a new sequence starts like the shared prompt, as chat requests do.
-        tokens = [SHARED_PROMPT[:n] if s not in self.seqs and data.draw(st.booleans()) else
+        counts = data.draw(st.lists(st.integers(0, MAX_NEW), min_size=len(ids),
+                                    max_size=len(ids)))
+        # Two times in three a new sequence starts like the shared prompt, as chat requests do.
+        tokens = [SHARED_PROMPT[:n] if s not in self.seqs and data.draw(st.integers(0, 2)) else
                   data.draw(st.lists(st.integers(0, ALPHABET - 1), min_size=n, max_size=n))
                   for s, n in zip(ids, counts)]
         with_ids = data.draw(st.sampled_from([True, True, True, False]))
+        # New sequences draw a salt; existing ones repeat theirs (as str or bytes) or pass None.
+        salts = [data.draw(st.sampled_from(SALTS)) if s not in self.seqs else
+                 data.draw(st.sampled_from([None, self.seqs[s].salt, as_other_type(
+                     self.seqs[s].salt)])) for s in ids]
         before = self.snapshot()
         exact = None if self.prefix_caching else self.plan_exact(ids, counts)
         try:
-            slots = self.cache.extend(ids, counts, token_ids=tokens if with_ids else None)
+            slots = self.cache.extend(ids, counts, token_ids=tokens if with_ids else None,
+                                      salts=salts)
         except OutOfBlocksError:
             self.assert_unchanged(before)
             if not self.prefix_caching:
@@ -140,7 +167,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert self.prefix_caching or exact is not None, "extend succeeded beyond capacity"
         assert len(slots) == sum(counts)
-        self.commit_extend(ids, counts, tokens, slots, exact)
+        self.commit_extend(ids, counts, tokens, salts, slots, exact)
 
     def worst_case_need(self, ids, counts):
         alloc, need, users = self.cache._allocator, 0, {}
@@ -156,11 +183,14 @@ class CacheMachine(RuleBasedStateMachine):
             need += -(-(length + n) // BLOCK_SIZE) - len(table)
         return need
 
-    def commit_extend(self, ids, counts, tokens, slots, exact):
+    def commit_extend(self, ids, counts, tokens, salts, slots, exact):
         start = 0
         new_codes = []
-        for s, n, toks in zip(ids, counts, tokens):
-            m = self.seqs.setdefault(s, ModelSeq())
+        for s, n, toks, salt in zip(ids, counts, tokens, salts):
+            if s not in self.seqs:
+                self.seqs[s] = ModelSeq()
+                self.seqs[s].salt = as_bytes(salt)
+            m = self.seqs[s]
             if exact is not None:
                 m.blocks = exact[0][s].blocks
             mine = slots[start:start + n]
@@ -171,7 +201,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.prefix_caching or reused == 0
             m.cached_tokens += reused
             for t in toks:
-                m.codes.append(self.code_after(m.codes[-1] if m.codes else 0, t))
+                m.codes.append(self.code_after(m.codes[-1] if m.codes else
+                                               self.root_code(m.salt), t))
             new_codes += m.codes[len(m.codes) - n:]
             start += n
         if exact is not None:
@@ -246,6 +277,18 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.prefix_caching or needed <= self.model_free()
         m.swapped = False
         m.blocks = [self.new_block() for _ in range(needed)]
+
+    @precondition(lambda self: self.on_device())
+    @rule(data=st.data())
+    def refused_salt_change(self, data):
+        """A sequence's salt is fixed when it is created: another one is refused."""
+        s = data.draw(st.sampled_from(self.on_device()))
+        salt = data.draw(st.sampled_from([x for x in (b"tenant-a", "tenant-b", b"tenant-c")
+                                          if as_bytes(x) != self.seqs[s].salt]))
+        before = self.snapshot()
+        with pytest.raises(ValueError, match="salt"):
+            self.cache.extend([s], 1, token_ids=[[0]], salts=[salt])
+        self.assert_unchanged(before)
 
     @precondition(lambda self: self.on_device())
     @rule(data=st.data())

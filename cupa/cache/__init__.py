@@ -1,4 +1,5 @@
-"""The paged KV cache: block bookkeeping (`blocks`) and the storage of every layer (`paged`)."""
+"""The paged KV cache: block bookkeeping (`blocks`), the sequences that hold blocks (`sequences`)
+and the storage of every layer (`paged`)."""
 
 from .blocks import OutOfBlocksError
 from .paged import PagedKVCache

@@ -1,8 +1,9 @@
 """Pure-Python bookkeeping of KV-cache blocks: free list, reference counts, prefix-cache hashes.
 
-No array data lives here, only block ids. `cupa.cache.PagedKVCache` owns the storage and decides
-when blocks are shared, copied or swapped; this module only answers "which block is free", "who
-still uses this block" and "which block already holds these tokens".
+No array data lives here, only block ids. `cupa.cache.sequences.SequenceTable` decides when
+blocks are shared, copied or swapped, and `cupa.cache.PagedKVCache` moves their data; this
+module only answers "which block is free", "who still uses this block" and "which block already
+holds these tokens".
 
 Every block is in exactly one of three states:
   in use      reference count >= 1 (one count per sequence whose table holds it)
@@ -71,9 +72,6 @@ class BlockAllocator:
     def lookup(self, digest: bytes) -> int | None:
         """The block registered for this prefix hash, in use or evictable, or None."""
         return self._block_of_hash.get(digest)
-
-    def hash_of(self, block: int) -> bytes | None:
-        return self._hash_of_block.get(block)
 
     # --- changes (callers check availability first, so these fail only on misuse) ----------
 

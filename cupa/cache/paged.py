@@ -4,7 +4,13 @@ Storage is two arrays (K and V) of shape [num_layers, num_blocks, num_kv_heads, 
 head_size] on the cache's device (cupy) or host (numpy), of `dtype` or, with an fp8 `kv_format`,
 of uint8 fp8 codes with per-KV-head scales (cupa.fp8). A block id names the same block in every
 layer, so one block table serves all layers and block copies (copy-on-write, swap) move all layers
-at once. Bookkeeping (free list, reference counts, prefix hashes) is in `cupa.cache.blocks`.
+at once.
+
+This module owns the data: the K/V arrays, writes, block copies, the host copies of swapped-out
+sequences, the buffers behind `tables()` and the call into `cupa.decode`. Which blocks each
+sequence holds, and when blocks are shared, copied or reused, is decided by
+`cupa.cache.sequences.SequenceTable` (free list, reference counts and prefix hashes are in
+`cupa.cache.blocks`).
 
 Every public method validates all of its arguments before changing anything, so an error leaves
 the cache exactly as it was.
@@ -12,71 +18,27 @@ the cache exactly as it was.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from .. import arrays
 from ..api import decode, resolve_backend
 from ..fp8 import check_kv_format, kv_scales, quantize_fp8
-from ..problem import STORAGE_DTYPES
-from ..validation import dtype_name
-from .blocks import ROOT_HASH, BlockAllocator, OutOfBlocksError, block_hash
+from ..problem import (MAX_QUERY_LEN, STORAGE_DTYPES, SUPPORTED_BLOCK_SIZES,
+                       SUPPORTED_HEAD_SIZES)
+from ..validation import check_is_array, dtype_name
+from .blocks import OutOfBlocksError
+from .sequences import SequenceRecord, SequenceTable
 
 # Same-size unsigned integers: block copies move raw bits, which is exact for every dtype and
 # needs no bfloat16 support from the array library's copy kernels.
 BIT_DTYPES = {2: np.uint16, 4: np.uint32, 1: np.uint8}
 
+# Block tables are int32 (cupa.decode's block_tables): block ids must fit.
+MAX_NUM_BLOCKS = 2**31 - 1
+
 __all__ = ["PagedKVCache", "OutOfBlocksError"]
-
-
-@dataclass
-class _Sequence:
-    """One sequence's view of the cache."""
-
-    table: np.ndarray             # int32 block ids; the first `num_blocks` entries are used
-    num_blocks: int = 0
-    num_tokens: int = 0           # reserved tokens (= seq_len)
-    # Prefix-hash chain: hash of the last full block and the token ids of the partial block after
-    # it. `pending` is None once a token id is unknown (extended without token_ids): from then on
-    # the sequence's blocks cannot be named by content.
-    parent_hash: bytes = ROOT_HASH
-    pending: list | None = field(default_factory=list)
-    cached_tokens: int = 0        # tokens that came from the prefix cache (needed no prefill)
-    swapped: tuple | None = None  # (host keys, host values) while swapped out
-
-    @property
-    def blocks(self) -> np.ndarray:
-        return self.table[:self.num_blocks]
-
-    def append_blocks(self, ids):
-        need = self.num_blocks + len(ids)
-        if need > len(self.table):  # grow geometrically: appends stay O(1) amortised
-            grown = np.empty(max(need, 2 * len(self.table), 4), dtype=np.int32)
-            grown[:self.num_blocks] = self.blocks
-            self.table = grown
-        self.table[self.num_blocks:need] = ids
-        self.num_blocks = need
-
-    def copy(self) -> "_Sequence":
-        return _Sequence(table=self.blocks.copy(), num_blocks=self.num_blocks,
-                         num_tokens=self.num_tokens, parent_hash=self.parent_hash,
-                         pending=None if self.pending is None else list(self.pending),
-                         cached_tokens=self.cached_tokens)
-
-
-@dataclass
-class _ExtendPlan:
-    """What `extend` will do to one sequence, worked out before anything changes."""
-
-    seq_id: Hashable
-    num_new: int
-    tokens: list | None           # the new token ids, when given
-    cow: bool = False             # copy the shared partial last block first
-    hits: list = field(default_factory=list)        # cached blocks to reuse, in order
-    fresh: int = 0                # blocks to allocate
-    full_hashes: list = field(default_factory=list)  # hash of every block this extend fills
 
 
 class _TableBuffers:
@@ -129,18 +91,22 @@ class PagedKVCache:
 
     num_layers, num_blocks, block_size, num_kv_heads, head_size: the storage shape; every layer
         has its own [num_blocks, num_kv_heads, block_size, head_size] K and V arrays.
+        head_size must be one of cupa.problem.SUPPORTED_HEAD_SIZES and block_size one of
+        SUPPORTED_BLOCK_SIZES: the shapes `decode` serves.
     dtype: 'float16', 'bfloat16' or 'float32': the K/V rows written and the queries
         (numpy storage of bfloat16 is ml_dtypes.bfloat16).
     backend: 'gpu', 'numpy' or None (GPU when one is usable).
-    enable_prefix_caching: name full blocks by a chained hash of their token ids, reuse them for
-        later sequences with the same prefix, and keep freed ones until their space is needed.
+    enable_prefix_caching: name full blocks by a chained hash of their token ids (and the
+        sequence's salt, see `extend`), reuse them for later sequences with the same prefix, and
+        keep freed ones until their space is needed.
     kv_format: None (store K/V as `dtype`), 'fp8_e4m3' (OCP e4m3fn) or 'fp8_e4m3fnuz' (AMD
         MI300). With fp8 the K/V arrays hold uint8 codes (half of float16's memory): `write`
         stores the code of x / scale of each element (round to nearest even, saturating; see
         cupa.fp8) and `decode` reads code value * scale. head_size must be a multiple of 16.
         cupa.fp8.default_kv_format(arch) names the format with hardware support on a GPU.
         `decode` of an fp8 cache takes the query dtypes cupa.decode's fp8 kernels serve
-        (float16, bfloat16).
+        (float16, bfloat16), whatever the dtype of the rows written (float32 rows are
+        quantised like the others).
     k_scale, v_scale: fp8 only: one positive scale for all KV heads or a float32 array
         [num_kv_heads] (default 1). Kept as read-only float32 numpy arrays `k_scale`, `v_scale`.
     """
@@ -154,9 +120,17 @@ class PagedKVCache:
                             ("head_size", head_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        self.dtype = dtype_name(dtype) if not isinstance(dtype, str) else dtype
-        if self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"dtype: must be one of {tuple(STORAGE_DTYPES)}, got {dtype!r}")
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(f"num_blocks: block tables are int32, so at most {MAX_NUM_BLOCKS}, "
+                             f"got {num_blocks}")
+        # decode serves only these shapes: refuse now rather than at the first decode.
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"head_size: must be one of {SUPPORTED_HEAD_SIZES} (what decode "
+                             f"serves), got {head_size}")
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size: must be one of {SUPPORTED_BLOCK_SIZES} (what decode "
+                             f"serves), got {block_size}")
+        self.dtype = _storage_dtype_name(dtype)
         # kv_format equal to dtype is the plain cache too.
         self._fp8 = check_kv_format(None if kv_format == self.dtype else kv_format)
         if self._fp8 is None and (k_scale is not None or v_scale is not None):
@@ -190,8 +164,11 @@ class PagedKVCache:
         bits = BIT_DTYPES[storage.itemsize]
         self._key_bits = self._keys.view(bits)
         self._value_bits = self._values.view(bits)
-        self._allocator = BlockAllocator(self.num_blocks, self.block_size)
-        self._seqs: dict[Hashable, _Sequence] = {}
+        self._sequences = SequenceTable(self.num_blocks, self.block_size,
+                                        self.enable_prefix_caching)
+        # The pool's allocator, owned by the sequence table; named here for inspection (tests).
+        self._allocator = self._sequences.allocator
+        self._host_copies: dict = {}  # seq_id -> (host keys, host values) while swapped out
         self._table_buffers = _TableBuffers(self.backend == "gpu")
         self._write_launch = None
 
@@ -208,37 +185,38 @@ class PagedKVCache:
     @property
     def num_free_blocks(self) -> int:
         """Blocks new tokens can take: free ones plus evictable prefix-cached ones."""
-        return self._allocator.num_available
+        return self._sequences.num_available_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         """Freed blocks kept for prefix reuse (counted in num_free_blocks)."""
-        return self._allocator.num_evictable
+        return self._sequences.num_evictable_blocks
 
     # --- sequences -------------------------------------------------------------------------
 
     @property
     def seq_ids(self) -> list:
-        return list(self._seqs)
+        return self._sequences.ids
 
     def __contains__(self, seq_id) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self._sequences
 
     def seq_len(self, seq_id) -> int:
-        return self._get(seq_id).num_tokens
+        return self._sequences.get(seq_id).num_tokens
 
     def block_table(self, seq_id) -> np.ndarray:
         """The sequence's block ids, in order (a host copy)."""
-        return self._on_device(seq_id, "read the block table of").blocks.copy()
+        return self._sequences.on_device(seq_id, "read the block table of").blocks.copy()
 
     def is_swapped(self, seq_id) -> bool:
-        return self._get(seq_id).swapped is not None
+        return self._sequences.get(seq_id).swapped
 
     def num_cached_tokens(self, seq_id) -> int:
         """Tokens of this sequence taken from the prefix cache (their K/V needed no prefill)."""
-        return self._get(seq_id).cached_tokens
+        return self._sequences.get(seq_id).cached_tokens
 
-    def extend(self, seq_ids: Sequence, num_new_tokens, *, token_ids=None) -> np.ndarray:
+    def extend(self, seq_ids: Sequence, num_new_tokens, *, token_ids=None,
+               salts=None) -> np.ndarray:
         """Reserve cache slots for new tokens; returns their flat slots (int64, in `seq_ids` order).
 
         num_new_tokens: one int for all sequences, or one per sequence. Unknown ids are new,
@@ -252,69 +230,45 @@ class PagedKVCache:
         always computed. Reused blocks hold what their first writer wrote: write the K/V of
         reserved slots before decoding any sequence that may reuse them.
 
+        salts: optional, one salt per sequence (bytes, str as UTF-8, or None), e.g. a tenant id.
+        It is folded into the root of the sequence's prefix-hash chain, so blocks are shared
+        only between sequences of equal salts (no salt is a salt of its own). It takes effect
+        when the sequence is created (its first extend, or fork from a salted parent); later
+        calls may repeat it or pass None, a different salt is a ValueError.
+
         Atomic: raises OutOfBlocksError (a MemoryError) and changes nothing when the blocks do
         not suffice.
         """
-        seq_ids = list(seq_ids)
-        counts = self._new_token_counts(seq_ids, num_new_tokens)
-        tokens = self._new_token_ids(seq_ids, counts, token_ids)
-        plans = self._plan_extend(seq_ids, counts, tokens)
-        self._check_available(plans)
-
-        # Revive every reused block before any allocation, so that no allocation evicts a block
-        # another sequence of this call is about to reuse.
-        for plan in plans:
-            for block in plan.hits:
-                self._allocator.incref(block)
-        copies = []  # (source, destination) block pairs for copy-on-write
-        slots = [self._commit_extend(plan, copies) for plan in plans]
+        seq_ids = _seq_id_list(seq_ids)
+        plan = self._sequences.plan_extend(seq_ids, num_new_tokens, token_ids, salts)
+        slots, copies = self._sequences.commit_extend(plan)
         if copies:
             self._copy_blocks([s for s, _ in copies], [d for _, d in copies])
-        return np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
+        return slots
 
     def fork(self, parent_id, child_id):
         """A new sequence `child_id` sharing all of the parent's blocks (copy-on-write)."""
-        parent = self._on_device(parent_id, "fork")
-        if child_id in self._seqs:
-            raise ValueError(f"child_id: sequence {child_id!r} already exists")
-        for block in parent.blocks:
-            self._allocator.incref(int(block))
-        self._seqs[child_id] = parent.copy()
+        self._sequences.fork(parent_id, child_id)
 
     def free(self, seq_id):
         """Drop a sequence; blocks nobody else uses become free (or evictable, when cached)."""
-        seq = self._get(seq_id)
-        del self._seqs[seq_id]
-        if seq.swapped is None:
-            self._release(seq)
+        self._sequences.free(seq_id)
+        self._host_copies.pop(seq_id, None)
 
     def swap_out(self, seq_id):
         """Copy the sequence's K/V (all layers) to host numpy arrays and release its blocks."""
-        seq = self._on_device(seq_id, "swap out")
-        ids = seq.blocks.astype(np.int64)
-        seq.swapped = (self._gather_host(self._key_bits, ids),
-                       self._gather_host(self._value_bits, ids))
-        self._release(seq)
+        ids = self._sequences.on_device(seq_id, "swap out").blocks.astype(np.int64)
+        host = (self._gather_host(self._key_bits, ids), self._gather_host(self._value_bits, ids))
+        self._sequences.swap_out(seq_id)
+        self._host_copies[seq_id] = host
 
     def swap_in(self, seq_id):
         """Bring a swapped-out sequence back into fresh blocks (bit-exact). Atomic: raises
         OutOfBlocksError, and the sequence stays swapped out, when blocks do not suffice."""
-        seq = self._get(seq_id)
-        if seq.swapped is None:
-            raise ValueError(f"seq_id: sequence {seq_id!r} is not swapped out")
-        needed = seq.num_blocks
-        if needed > self._allocator.num_available:
-            raise OutOfBlocksError(f"swap_in({seq_id!r}) needs {needed} blocks, "
-                                   f"{self._allocator.num_available} are free")
-        ids = [self._allocator.allocate() for _ in range(needed)]
-        host_keys, host_values = seq.swapped
+        ids = self._sequences.swap_in(seq_id)
+        host_keys, host_values = self._host_copies.pop(seq_id)
         self._scatter(self._key_bits, ids, host_keys)
         self._scatter(self._value_bits, ids, host_values)
-        for i, block in enumerate(ids):
-            self._allocator.fill[block] = min(self.block_size,
-                                              seq.num_tokens - i * self.block_size)
-        seq.table = np.asarray(ids, dtype=np.int32)
-        seq.swapped = None
 
     # --- writing and reading ---------------------------------------------------------------
 
@@ -326,11 +280,13 @@ class PagedKVCache:
         (no synchronisation); the kernel skips any past the cache.
         """
         layer = self._check_layer(layer)
+        for name, x in (("slots", slots), ("key", key), ("value", value)):
+            check_is_array(name, x)
         key_view, value_view = arrays.host_view(key), arrays.host_view(value)
         slots_view = arrays.host_view(slots)
         num_tokens = self._check_rows(key_view, value_view, slots_view)
         if not arrays.is_device_array(slots):
-            self._check_slots(np.asarray(slots))
+            self._sequences.check_writable_slots(np.asarray(slots))
         if num_tokens == 0:
             return
         if self.backend == "gpu":
@@ -354,24 +310,9 @@ class PagedKVCache:
         views of buffers reused by the next call: one host fill and one upload, no allocation
         once the buffers are large enough.
         """
-        seqs = [self._on_device(seq_id, "read the tables of") for seq_id in seq_ids]
-        n = len(seqs)
-        longest = max((s.num_blocks for s in seqs), default=0)
-        if max_blocks is None:
-            width = max(longest, 1)
-        elif max_blocks < max(longest, 1):
-            raise ValueError(f"max_blocks: {max_blocks} is less than the longest table "
-                             f"({longest} blocks)")
-        else:
-            width = int(max_blocks)
-        host = self._table_buffers.host_buffer(n + n * width)
-        host[:n] = [s.num_tokens for s in seqs]
-        table = host[n:n + n * width].reshape(n, width)
-        table.fill(-1)
-        for row, seq in enumerate(seqs):
-            table[row, :seq.num_blocks] = seq.blocks
-        flat = self._table_buffers.publish(n + n * width)
-        return flat[n:].reshape(n, width), flat[:n]
+        seqs = [self._sequences.on_device(seq_id, "read the tables of")
+                for seq_id in _seq_id_list(seq_ids)]
+        return self._fill_tables(seqs, max_blocks)
 
     def decode(self, layer: int, query, seq_ids: Sequence, *, new_tokens=None,
                **decode_kwargs):
@@ -386,57 +327,39 @@ class PagedKVCache:
         fp8 cache passes its kv_format, k_scale and v_scale itself.
         """
         layer = self._check_layer(layer)
-        seq_ids = list(seq_ids)
-        if new_tokens is not None:
-            if decode_kwargs.get("query_start_loc") is not None:
-                raise ValueError("new_tokens and query_start_loc: give one of them")
-            counts = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
-            if counts.size == 1:
-                counts = np.repeat(counts, len(seq_ids))
-            if counts.size != len(seq_ids):
-                raise ValueError(f"new_tokens: {counts.size} counts for {len(seq_ids)} seq_ids")
-            # cupa.decode checks the counts (1 to 16) and that each sequence holds them.
-            decode_kwargs["query_start_loc"] = np.concatenate(
-                [[0], np.cumsum(counts)]).astype(np.int32)
-        shape = tuple(arrays.host_view(query).shape)
-        if decode_kwargs.get("query_start_loc") is None and (
-                len(shape) != 3 or shape[0] != len(seq_ids)):
-            raise ValueError(f"query: expected shape [len(seq_ids)={len(seq_ids)}, num_heads, "
-                             f"head_size] (or pass new_tokens for several per sequence), got "
-                             f"{shape}")
+        check_is_array("query", query)
+        seq_ids = _seq_id_list(seq_ids)
         owned = sorted({"kv_format", "k_scale", "v_scale"} & set(decode_kwargs))
         if owned:
             raise ValueError(f"{', '.join(owned)}: set by the cache (constructor arguments), "
                              f"not per decode call")
+        seqs = [self._sequences.on_device(seq_id, "decode") for seq_id in seq_ids]
+        rows = len(seq_ids)
+        if new_tokens is not None:
+            if decode_kwargs.get("query_start_loc") is not None:
+                raise ValueError("new_tokens and query_start_loc: give one of them")
+            counts = self._new_token_counts(new_tokens, seq_ids, seqs)
+            decode_kwargs["query_start_loc"] = np.concatenate(
+                [[0], np.cumsum(counts)]).astype(np.int32)
+            rows = int(counts.sum())
+        query_view = arrays.host_view(query)
+        if decode_kwargs.get("query_start_loc") is None or new_tokens is not None:
+            self._check_query(query_view, rows, new_tokens is not None)
+        block_tables, seq_lens = self._fill_tables(seqs, None)
         if self._fp8:
             decode_kwargs.update(kv_format=self.kv_format, k_scale=self.k_scale,
                                  v_scale=self.v_scale)
-        block_tables, seq_lens = self.tables(seq_ids)
-        decode_kwargs.setdefault(
-            "max_seq_len", max((self._seqs[s].num_tokens for s in seq_ids), default=0))
+        decode_kwargs.setdefault("max_seq_len", max((s.num_tokens for s in seqs), default=0))
         return decode(query, self._keys[layer], self._values[layer], block_tables, seq_lens,
                        backend=self.backend, **decode_kwargs)
 
-    # --- internals: lookups and checks -----------------------------------------------------
+    # --- internals: checks -----------------------------------------------------------------
 
     def _check_layer(self, layer) -> int:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) \
+                or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: must be an int in [0, {self.num_layers}), got {layer!r}")
         return int(layer)
-
-    def _get(self, seq_id) -> _Sequence:
-        try:
-            return self._seqs[seq_id]
-        except (KeyError, TypeError):
-            raise KeyError(f"unknown sequence id {seq_id!r} (never extended, or already "
-                           f"freed)") from None
-
-    def _on_device(self, seq_id, action: str) -> _Sequence:
-        seq = self._get(seq_id)
-        if seq.swapped is not None:
-            raise ValueError(f"cannot {action} sequence {seq_id!r}: it is swapped out "
-                             f"(call swap_in({seq_id!r}) first)")
-        return seq
 
     def _check_rows(self, key, value, slots) -> int:
         expected = ("num_tokens", self.num_kv_heads, self.head_size)
@@ -457,160 +380,65 @@ class PagedKVCache:
             raise ValueError(f"slots: must be an integer array, got {dtype_name(slots.dtype)}")
         return int(key.shape[0])
 
-    def _check_slots(self, slots: np.ndarray):
-        """Each non-negative slot: inside the cache, reserved, in a block no one else shares,
-        and written once."""
-        slots = slots.astype(np.int64)
-        index = np.flatnonzero(slots >= 0)
-        if index.size == 0:
-            return
-        used = slots[index]
-        blocks, offsets = np.divmod(used, self.block_size)
-        inside = blocks < self.num_blocks
-        refcount = np.where(inside, self._allocator.refcount[np.minimum(blocks,
-                                                                        self.num_blocks - 1)], 0)
-        fill = np.where(inside, self._allocator.fill[np.minimum(blocks, self.num_blocks - 1)], 0)
-        bad = ~inside | (refcount < 1) | (offsets >= fill) | (refcount > 1)
-        if bad.any():
-            i = int(np.argmax(bad))
-            slot, block = int(used[i]), int(blocks[i])
-            if not inside[i]:
-                why = f"past the cache ({self.num_blocks} blocks x {self.block_size})"
-            elif refcount[i] > 1:
-                why = (f"block {block} is shared by {int(refcount[i])} sequences (write only "
-                       f"slots returned by extend)")
-            else:
-                why = (f"not reserved: block {block} holds {int(fill[i])} reserved tokens "
-                       f"(write at most the tokens extend reserved)")
-            raise ValueError(f"slots[{int(index[i])}] = {slot}: {why}")
-        unique, counts = np.unique(used, return_counts=True)
-        if (counts > 1).any():
-            slot = int(unique[np.argmax(counts > 1)])
-            raise ValueError(f"slots: slot {slot} appears more than once")
+    def _check_query(self, query, rows: int, multi_token: bool):
+        """Shape (and, for a plain cache, dtype) of a decode query, named in the cache's terms
+        before cupa.decode would name them in terms of key_cache."""
+        shape = tuple(query.shape)
+        if len(shape) != 3 or shape[0] != rows or shape[2] != self.head_size \
+                or shape[1] < 1 or shape[1] % self.num_kv_heads:
+            first = "sum(new_tokens)" if multi_token else "len(seq_ids)"
+            hint = "" if multi_token else " (or pass new_tokens for several per sequence)"
+            raise ValueError(f"query: expected shape [{first}={rows}, num_heads (a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}), head_size={self.head_size}]"
+                             f"{hint}, got {shape}")
+        if self._fp8 is None and dtype_name(query.dtype) != self.dtype:
+            raise ValueError(f"query: dtype must be the cache's {self.dtype}, got "
+                             f"{dtype_name(query.dtype)}")
 
-    def _new_token_counts(self, seq_ids, num_new_tokens) -> list[int]:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("seq_ids: each sequence may appear only once per call")
-        for seq_id in seq_ids:
-            if seq_id in self._seqs and self._seqs[seq_id].swapped is not None:
-                self._on_device(seq_id, "extend")
-        if isinstance(num_new_tokens, (int, np.integer)):
-            counts = [int(num_new_tokens)] * len(seq_ids)
-        else:
-            counts = [int(n) for n in num_new_tokens]
-            if len(counts) != len(seq_ids):
-                raise ValueError(f"num_new_tokens: {len(counts)} counts for {len(seq_ids)} "
-                                 f"seq_ids")
-        if any(n < 0 for n in counts):
-            raise ValueError(f"num_new_tokens: must be >= 0, got {counts}")
+    @staticmethod
+    def _new_token_counts(new_tokens, seq_ids, seqs: list[SequenceRecord]) -> np.ndarray:
+        """new_tokens as one count per sequence, each 1..MAX_QUERY_LEN and at most the tokens
+        the sequence holds."""
+        counts = np.asarray(new_tokens)
+        if counts.dtype.kind not in "iu" or counts.ndim > 1:
+            raise ValueError(f"new_tokens: expected an int or one int per seq_id, got "
+                             f"{new_tokens!r}")
+        counts = counts.astype(np.int64).reshape(-1)
+        if counts.size == 1:
+            counts = np.repeat(counts, len(seq_ids))
+        if counts.size != len(seq_ids):
+            raise ValueError(f"new_tokens: {counts.size} counts for {len(seq_ids)} seq_ids")
+        for i, (seq_id, seq, n) in enumerate(zip(seq_ids, seqs, counts.tolist())):
+            if not 1 <= n <= MAX_QUERY_LEN:
+                raise ValueError(f"new_tokens[{i}]: each sequence decodes 1 to {MAX_QUERY_LEN} "
+                                 f"new tokens, got {n}")
+            if n > seq.num_tokens:
+                raise ValueError(f"new_tokens[{i}]: {n} new tokens but sequence {seq_id!r} "
+                                 f"holds {seq.num_tokens} (extend and write them first)")
         return counts
 
-    def _new_token_ids(self, seq_ids, counts, token_ids):
-        if token_ids is None:
-            return [None] * len(seq_ids)
-        token_ids = [None if t is None else [int(x) for x in t] for t in token_ids]
-        if len(token_ids) != len(seq_ids):
-            raise ValueError(f"token_ids: {len(token_ids)} lists for {len(seq_ids)} seq_ids")
-        for seq_id, n, tokens in zip(seq_ids, counts, token_ids):
-            if tokens is not None and len(tokens) != n:
-                raise ValueError(f"token_ids: sequence {seq_id!r} has {len(tokens)} token ids "
-                                 f"for {n} new tokens")
-        return token_ids
+    # --- internals: tables -----------------------------------------------------------------
 
-    # --- internals: extend -----------------------------------------------------------------
-
-    def _plan_extend(self, seq_ids, counts, tokens) -> list[_ExtendPlan]:
-        """Work out COW copies, prefix hits and fresh blocks without changing anything."""
-        bs = self.block_size
-        refcount_change: dict[int, int] = {}
-        plans = []
-        for seq_id, n, new_tokens in zip(seq_ids, counts, tokens):
-            plan = _ExtendPlan(seq_id, n, new_tokens)
-            plans.append(plan)
-            seq = self._seqs.get(seq_id)
-            length = seq.num_tokens if seq else 0
-            have = seq.num_blocks if seq else 0
-            if n == 0:
-                continue
-            if length % bs and seq is not None:
-                last = int(seq.blocks[-1])
-                users = int(self._allocator.refcount[last]) + refcount_change.get(last, 0)
-                if users > 1:  # earlier sequences of this call may already have copied it
-                    plan.cow = True
-                    refcount_change[last] = refcount_change.get(last, 0) - 1
-            chain = seq.pending if seq else []
-            if self.enable_prefix_caching and new_tokens is not None and chain is not None:
-                parent = seq.parent_hash if seq else ROOT_HASH
-                plan.full_hashes = _full_block_hashes(parent, chain, new_tokens, bs)
-                if length % bs == 0:
-                    # Only blocks before the one holding the last new token may be reused.
-                    for digest in plan.full_hashes[:(n - 1) // bs]:
-                        block = self._allocator.lookup(digest)
-                        if block is None:
-                            break
-                        plan.hits.append(block)
-            plan.fresh = -(-(length + n) // bs) - have - len(plan.hits)
-        return plans
-
-    def _check_available(self, plans):
-        revived = {b for p in plans for b in p.hits if self._allocator.is_evictable(b)}
-        needed = sum(p.fresh + p.cow for p in plans) + len(revived)
-        if needed > self._allocator.num_available:
-            raise OutOfBlocksError(f"extend needs {needed} blocks, {self._allocator.num_available}"
-                                   f" are free (nothing was changed)")
-
-    def _commit_extend(self, plan: _ExtendPlan, copies: list) -> np.ndarray:
-        bs = self.block_size
-        seq = self._seqs.get(plan.seq_id)
-        if seq is None:
-            seq = self._seqs[plan.seq_id] = _Sequence(table=np.empty(4, dtype=np.int32))
-        if plan.num_new == 0:
-            return np.empty(0, dtype=np.int64)
-        alloc = self._allocator
-        if plan.cow:
-            source = int(seq.blocks[-1])
-            copy = alloc.allocate()
-            alloc.fill[copy] = alloc.fill[source]
-            alloc.decref(source)
-            seq.table[seq.num_blocks - 1] = copy
-            copies.append((source, copy))
-        seq.append_blocks(plan.hits)
-        seq.append_blocks([alloc.allocate() for _ in range(plan.fresh)])
-
-        start, end = seq.num_tokens, seq.num_tokens + plan.num_new
-        positions = np.arange(start, end, dtype=np.int64)
-        block_index = positions // bs
-        slots = seq.table[block_index].astype(np.int64) * bs + positions % bs
-        cached = len(plan.hits) * bs
-        slots[:cached] = -1  # reused tokens: their K/V is already there
-        # Reserved tokens per touched block.
-        touched = np.unique(block_index)
-        fills = np.minimum(end - touched * bs, bs)
-        alloc.fill[seq.table[touched]] = fills
-        seq.num_tokens = end
-        seq.cached_tokens += cached
-        self._advance_hash_chain(seq, plan, first_block=start // bs)
-        return slots
-
-    def _advance_hash_chain(self, seq: _Sequence, plan: _ExtendPlan, first_block: int):
-        """Index the blocks this extend filled and keep the partial block's token ids."""
-        if not self.enable_prefix_caching:
-            return
-        if plan.tokens is None or seq.pending is None:
-            seq.pending = None  # a token id is unknown: later blocks cannot be named
-            return
-        # `pending` starts at a block boundary, so blocks complete every block_size tokens.
-        for i, digest in enumerate(plan.full_hashes):
-            self._allocator.register(int(seq.table[first_block + i]), digest)
-            seq.parent_hash = digest
-        tokens = seq.pending + plan.tokens
-        seq.pending = tokens[len(plan.full_hashes) * self.block_size:]
-
-    def _release(self, seq: _Sequence):
-        # Tail first, so that among a sequence's cached blocks the later ones (least likely to be
-        # a shared prefix) are evicted first.
-        for block in seq.blocks[::-1]:
-            self._allocator.decref(int(block))
+    def _fill_tables(self, seqs: list[SequenceRecord], max_blocks):
+        n = len(seqs)
+        longest = max((s.num_blocks for s in seqs), default=0)
+        if max_blocks is None:
+            width = max(longest, 1)
+        elif not isinstance(max_blocks, (int, np.integer)) or isinstance(max_blocks, bool):
+            raise ValueError(f"max_blocks: must be an int or None, got {max_blocks!r}")
+        elif max_blocks < max(longest, 1):
+            raise ValueError(f"max_blocks: {max_blocks} is less than the longest table "
+                             f"({longest} blocks)")
+        else:
+            width = int(max_blocks)
+        host = self._table_buffers.host_buffer(n + n * width)
+        host[:n] = [s.num_tokens for s in seqs]
+        table = host[n:n + n * width].reshape(n, width)
+        table.fill(-1)
+        for row, seq in enumerate(seqs):
+            table[row, :seq.num_blocks] = seq.blocks
+        flat = self._table_buffers.publish(n + n * width)
+        return flat[n:].reshape(n, width), flat[:n]
 
     # --- internals: block data -------------------------------------------------------------
 
@@ -673,11 +501,21 @@ def _aligned_rows(rows):
     return arrays.cupy_module().ascontiguousarray(rows)
 
 
-def _full_block_hashes(parent: bytes, pending: list, new_tokens: list, block_size: int) -> list:
-    """Chained hashes of every block completed by appending `new_tokens` after `pending`."""
-    tokens = pending + new_tokens
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size])
-        hashes.append(parent)
-    return hashes
+def _storage_dtype_name(dtype) -> str:
+    """The cache dtype's name, checked against STORAGE_DTYPES."""
+    try:
+        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    except TypeError:  # not a dtype at all
+        name = None
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"dtype: must be one of {tuple(STORAGE_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _seq_id_list(seq_ids) -> list:
+    """seq_ids as a list. A lone str or bytes is refused: iterating it would make one sequence
+    per character."""
+    if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+        raise TypeError(f"seq_ids: expected a list of sequence ids, got "
+                        f"{type(seq_ids).__name__} {seq_ids!r}")
+    return list(seq_ids)
