@@ -17,7 +17,7 @@ from .decode_plan import (DecodePlan, check_inputs, convert_inputs, device_signa
 from .fp8 import check_kv_format
 from .gpu import dispatch
 from .problem import MAX_QUERY_LEN, DecodeOptions, default_max_query_len
-from .validation import check_is_array
+from .validation import check_arrays, check_partition_size
 
 # Plans kept by `decode`, most recent last. A plan holds no device memory but its fp8 factors
 # (outputs and workspace are allocated per call), so the bound is about host memory only.
@@ -207,8 +207,8 @@ def _plan(raw, *, query_start_loc, max_query_len, scale, sliding_window, logits_
           own_outputs):
     """Shared front half of `decode` and `plan_decode`: arrays in -> one conversion ->
     validation -> plan. Returns (plan, converted inputs)."""
-    for name, x in zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), raw):
-        check_is_array(name, x)
+    check_arrays(raw, out)
+    check_partition_size(partition_size)
     backend = resolve_backend(backend)
     fmt = check_kv_format(kv_format)
     if fmt is None and (k_scale is not None or v_scale is not None):

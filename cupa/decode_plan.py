@@ -27,7 +27,7 @@ from .gpu.occupancy import resident_workgroups
 from .gpu.planner import make_plan
 from .problem import DecodeInputs, DecodeOptions, DecodeShape
 from .reference import paged_decode_reference
-from .validation import check_decode_args, check_table_contents, query_lens
+from .validation import check_arrays, check_decode_args, check_table_contents, query_lens
 
 INPUT_NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
                "query_start_loc", "alibi_slopes", "sinks")
@@ -174,6 +174,7 @@ class DecodePlan:
             if fast is not None and fast[:-1] == self._signature and (
                     out is None or fast[-1] == self._out_signature):
                 return self.run_matched(raw, out, stream)
+        check_arrays(raw, out)
         inputs = convert_inputs(self.backend, raw)
         device_out = out is not None and arrays.is_device_array(out)
         out_view = arrays.to_device(out) if device_out else out

@@ -44,6 +44,39 @@ def check_is_array(name, x):
                         f"interface tensor), got {type(x).__name__}")
 
 
+def check_arrays(raw: tuple, out=None) -> None:
+    """check_is_array on a call's arrays (the eight of decode_plan.INPUT_NAMES, None where an
+    optional one is absent) and its `out`."""
+    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+             "query_start_loc", "alibi_slopes", "sinks")
+    for index, (name, x) in enumerate(zip(names, raw)):
+        if x is not None or index < 5:
+            check_is_array(name, x)
+    if out is not None:
+        check_is_array("out", out)
+
+
+def _number(value, kind):
+    """int(value) or float(value), or None where it is no number (the caller's check then
+    names the argument: 'sliding_window: must be a positive int ...')."""
+    if isinstance(value, (str, bytes)):
+        return float("nan") if kind is float else None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return float("nan") if kind is float else None
+
+
+def check_partition_size(partition_size) -> None:
+    """A forced partition size: a positive int or None (checked on every backend)."""
+    if partition_size is None:
+        return
+    if isinstance(partition_size, bool) or _number(partition_size, int) != partition_size \
+            or int(partition_size) < 1:
+        raise ValueError(f"partition_size: must be a positive int or None, got "
+                         f"{partition_size!r}")
+
+
 def _shape_error(name, expected, actual):
     return ValueError(f"{name}: expected shape {expected}, got {tuple(actual)}")
 
@@ -135,14 +168,14 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
     _check_per_head("sinks", sinks, num_heads)
     window = 0
     if sliding_window is not None:
-        if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window \
-                or not 1 <= int(sliding_window) < 2**31:
+        window = _number(sliding_window, int)
+        if isinstance(sliding_window, bool) or window != sliding_window \
+                or not 1 <= window < 2**31:
             raise ValueError(f"sliding_window: must be a positive int (tokens) or None, got "
                              f"{sliding_window!r}")
-        window = int(sliding_window)
     soft_cap = 0.0
     if logits_soft_cap is not None:
-        soft_cap = float(logits_soft_cap)
+        soft_cap = _number(logits_soft_cap, float)
         if not (np.isfinite(soft_cap) and soft_cap > 0):
             raise ValueError(f"logits_soft_cap: must be a positive finite float or None, got "
                              f"{logits_soft_cap!r}")
@@ -155,9 +188,10 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
 
     if scale is None:
         scale = head_size ** -0.5
-    scale = float(scale)
+    given, scale = scale, _number(scale, float)
     if not np.isfinite(scale):
-        raise ValueError(f"scale: must be finite, got {scale}")
+        raise ValueError(f"scale: must be finite (a float, or None for head_size ** -0.5), "
+                         f"got {given!r}")
 
     return DecodeShape(num_seqs=num_seqs, num_tokens=num_tokens, num_heads=num_heads,
                        num_kv_heads=num_kv_heads,

@@ -1,9 +1,7 @@
 """Every argument error of `cupa.decode`, `cupa.plan_decode` and `DecodePlan.run` on the numpy
 backend (CPU): the exception type and the start of its message, one test per validation error.
 
-Cases marked xfail(strict=True) are errors whose message or type should change in a file this
-suite does not own; their reason says what to change where. docs/bad_inputs_api.md lists every
-case by the ids used here.
+docs/bad_inputs_api.md lists every case by the ids used here.
 """
 
 from __future__ import annotations
@@ -54,10 +52,6 @@ def strided(array, axis=-1):
 def fp8_cache(case):
     codes = np.zeros(case.key_cache.shape, np.uint8)
     return dict(key_cache=codes, value_cache=codes.copy(), kv_format="fp8_e4m3")
-
-
-def lead(what):
-    return pytest.mark.xfail(strict=True, reason=f"lead: {what}")
 
 
 # id -> (changes of the call as a function of the case, exception, message start)
@@ -221,7 +215,7 @@ DECODE_CASES = {
                           ValueError, "k_scale: expected one scale or shape [num_kv_heads=2]"),
 }
 
-# Errors whose type or message should change outside this suite's files.
+# Errors the lead's change made clear (each entry's last item says what changed where).
 LEAD_CASES = {
     "query-start-loc-str": (lambda c: dict(query_start_loc="0,1,2"), TypeError,
                             "query_start_loc: expected an array",
@@ -268,7 +262,7 @@ def check(call, error, start):
 
 
 ALL_CASES = [pytest.param(k, *v, id=k) for k, v in DECODE_CASES.items()] + [
-    pytest.param(k, *v[:3], id=k, marks=lead(v[3])) for k, v in LEAD_CASES.items()]
+    pytest.param(k, *v[:3], id=k) for k, v in LEAD_CASES.items()]
 
 
 @pytest.mark.parametrize("name, change, error, start", ALL_CASES)
@@ -346,7 +340,7 @@ RUN_LEAD_CASES = {
 
 @pytest.mark.parametrize("name, call, error, start", [
     pytest.param(k, *v, id=k) for k, v in RUN_CASES.items()] + [
-    pytest.param(k, *v[:3], id=k, marks=lead(v[3])) for k, v in RUN_LEAD_CASES.items()])
+    pytest.param(k, *v[:3], id=k) for k, v in RUN_LEAD_CASES.items()])
 def test_run_errors(case, name, call, error, start):
     plan = cupa.plan_decode(*case.args(), backend="numpy")
     check(lambda: call(case, plan), error, start)
