@@ -503,3 +503,37 @@ def test_constructor_checks():
     assert cache.dtype == "float16" and cache.key_cache(0).shape == (4, 1, 8, 64)
     if not cupa.arrays.gpu_available():
         assert cupa.PagedKVCache(1, 4, 8, 1, 64).backend == "numpy"
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_one_token_steps_match_the_general_extend(prefix_caching):
+    """extend(ids, 1) takes a fast path for decode steps; the same steps given as a list of
+    counts (the general path) leave identical slots, tables and free blocks, across block
+    boundaries, forks (a shared last block), new ids and a pool that runs out."""
+    rng = np.random.default_rng(11)
+    caches = [cupa.PagedKVCache(1, 40, 8, 2, 64, "float16", backend="numpy",
+                                enable_prefix_caching=prefix_caching) for _ in range(2)]
+    for cache in caches:
+        cache.extend(["a", "b", "c"], [7, 8, 1], token_ids=[list(range(7)), list(range(8)), [5]])
+        cache.fork("a", "f")
+    ids = ["a", "b", "c", "f"]
+    for step in range(40):
+        if step == 20:
+            ids.append("new")
+        results = []
+        for fast, cache in zip((True, False), caches):
+            try:
+                results.append(cache.extend(ids, 1 if fast else [1] * len(ids)))
+            except cupa.OutOfBlocksError as exc:
+                results.append(type(exc))
+        if results[0] is cupa.OutOfBlocksError or results[1] is cupa.OutOfBlocksError:
+            assert results[0] is results[1]
+            victim = ids.pop(int(rng.integers(len(ids))))
+            for cache in caches:
+                cache.free(victim)
+            continue
+        np.testing.assert_array_equal(results[0], results[1])
+        tables = [cache.tables(ids) for cache in caches]
+        for got, want in zip(tables[0], tables[1]):
+            np.testing.assert_array_equal(got, want)
+        assert caches[0].num_free_blocks == caches[1].num_free_blocks

@@ -240,6 +240,11 @@ class PagedKVCache:
         not suffice.
         """
         seq_ids = _seq_id_list(seq_ids)
+        if (token_ids is None and salts is None and type(num_new_tokens) is int
+                and num_new_tokens == 1):  # a decode step: the common case, kept cheap
+            slots = self._sequences.extend_by_one(seq_ids)
+            if slots is not None:
+                return slots
         plan = self._sequences.plan_extend(seq_ids, num_new_tokens, token_ids, salts)
         slots, copies = self._sequences.commit_extend(plan)
         if copies:
@@ -435,8 +440,8 @@ class PagedKVCache:
         host[:n] = [s.num_tokens for s in seqs]
         table = host[n:n + n * width].reshape(n, width)
         table.fill(-1)
-        for row, seq in enumerate(seqs):
-            table[row, :seq.num_blocks] = seq.blocks
+        for row, seq in zip(table, seqs):
+            row[:seq.num_blocks] = seq.table[:seq.num_blocks]
         flat = self._table_buffers.publish(n + n * width)
         return flat[n:].reshape(n, width), flat[:n]
 

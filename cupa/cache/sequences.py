@@ -216,6 +216,46 @@ class SequenceTable:
         self._version += 1
         return (np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)), copies
 
+    def extend_by_one(self, seq_ids: list) -> np.ndarray | None:
+        """One decode step's `extend`: one new token for each of `seq_ids`, all existing, on
+        the device and with their last block their own; returns the flat slots, or None
+        (nothing changed) where the step needs more than that: new or swapped sequences, a
+        shared last block (copy-on-write), prefix caching's hashes, or a pool too small
+        (`plan_extend` then raises). Done per sequence in plain Python: a numpy call per
+        sequence costs more than the bookkeeping itself (32 sequences in ~20 us)."""
+        try:
+            records = [self._seqs[seq_id] for seq_id in seq_ids]
+        except (KeyError, TypeError):  # a new (or unhashable) id: the general path says
+            return None
+        if len(set(map(id, records))) != len(records):
+            return None
+        bs, refcount = self.block_size, self.allocator.refcount
+        caching = self.enable_prefix_caching
+        need = 0
+        for seq in records:
+            if seq.swapped or (caching and seq.pending is not None):
+                return None
+            if seq.num_tokens % bs == 0:
+                need += 1
+            elif refcount[seq.table[seq.num_blocks - 1]] != 1:
+                return None
+        if need > self.allocator.num_available:
+            return None
+        fill, allocate = self.allocator.fill, self.allocator.allocate
+        slots = []
+        for seq in records:
+            offset = seq.num_tokens % bs
+            if offset == 0:
+                block = allocate()
+                seq.append_blocks((block,))
+            else:
+                block = int(seq.table[seq.num_blocks - 1])
+            fill[block] = offset + 1
+            slots.append(block * bs + offset)
+            seq.num_tokens += 1
+        self._version += 1
+        return np.array(slots, dtype=np.int64)
+
     # --- fork, free, swap ------------------------------------------------------------------
 
     def fork(self, parent_id, child_id):
