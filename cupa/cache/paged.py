@@ -47,7 +47,8 @@ class _TableBuffers:
     Reused across calls and grown only when too small, so a steady decode loop allocates
     nothing. The host side is pinned when cupy allows it, making the one upload per call
     asynchronous; an event guards the host buffer against being refilled before the previous
-    upload has read it.
+    upload has read it. What a call costs on the host is one upload and one event record: the
+    event, the buffers' addresses and the views handed out for a (rows, width) are kept.
     """
 
     def __init__(self, on_gpu: bool):
@@ -55,6 +56,8 @@ class _TableBuffers:
         self.host = np.empty(0, dtype=np.int32)
         self.device = None
         self.upload_done = None
+        self._host_ptr = 0
+        self._views: dict = {}  # (rows, width) -> (tables, lens) views of `device`
 
     def host_buffer(self, size: int) -> np.ndarray:
         if self.upload_done is not None:
@@ -62,8 +65,12 @@ class _TableBuffers:
         if size > len(self.host):
             capacity = max(size, 2 * len(self.host), 256)
             self.host = self._new_host(capacity)
+            self._host_ptr = self.host.ctypes.data
+            self._views.clear()
             if self.on_gpu:
-                self.device = arrays.cupy_module().empty(capacity, dtype=np.int32)
+                cupy = arrays.cupy_module()
+                self.device = cupy.empty(capacity, dtype=np.int32)
+                self.upload_done = cupy.cuda.Event(block=False, disable_timing=True)
         return self.host
 
     def _new_host(self, capacity: int) -> np.ndarray:
@@ -75,15 +82,20 @@ class _TableBuffers:
                 pass
         return np.empty(capacity, dtype=np.int32)
 
-    def publish(self, size: int):
-        """The first `size` entries as the arrays handed out (uploaded on the GPU)."""
+    def publish(self, rows: int, width: int):
+        """(tables [rows, width], lens [rows]) of the buffer's first entries, [lens | tables]
+        (uploaded on the GPU)."""
+        size = rows + rows * width
         if not self.on_gpu:
-            return self.host[:size]
-        cupy = arrays.cupy_module()
-        stream = cupy.cuda.get_current_stream()
-        self.device.data.copy_from_host_async(self.host.ctypes.data, size * 4, stream)
-        self.upload_done = stream.record()
-        return self.device[:size]
+            return self.host[rows:size].reshape(rows, width), self.host[:rows]
+        stream = arrays.cupy_module().cuda.get_current_stream()
+        self.device.data.copy_from_host_async(self._host_ptr, size * 4, stream)
+        self.upload_done.record(stream)
+        views = self._views.get((rows, width))
+        if views is None:
+            views = self._views[(rows, width)] = (
+                self.device[rows:size].reshape(rows, width), self.device[:rows])
+        return views
 
 
 class PagedKVCache:
@@ -442,8 +454,7 @@ class PagedKVCache:
         table.fill(-1)
         for row, seq in zip(table, seqs):
             row[:seq.num_blocks] = seq.table[:seq.num_blocks]
-        flat = self._table_buffers.publish(n + n * width)
-        return flat[n:].reshape(n, width), flat[:n]
+        return self._table_buffers.publish(n, width)
 
     # --- internals: block data -------------------------------------------------------------
 
