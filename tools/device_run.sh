@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then benchmarks.
-# Usage: tools/device_run.sh [tests|emulated|bench|all|breadth] [pytest args]
+# Usage: tools/device_run.sh [tests|emulated|bench|generate|all|breadth] [pytest args]
+#   generate: the example engine at 8 and 32 prompts, 512 -> 256, graphs and eager, one json
 #   emulated: the decode suites under the emulated AMD builds (CUPA_EMULATE=gfx942, gfx1100; the
 #             portable kernel at wave64 and wave32) and the emulation's own tests.
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present.
@@ -48,6 +49,20 @@ if [ "$what" = emulated ]; then
     cat "$OUT"/emulated_${target}_*.log > "$OUT/emulated_${target}.log" && rm "$OUT"/emulated_${target}_*.log
   done
 fi
+if [ "$what" = generate ]; then
+  for graphs in --graphs --no-graphs; do
+    timeout 100 python3 examples/bench_generate.py --prompts 8,32 --input-len 512 \
+      --output-lens 256 --attention paged $graphs --json "$OUT/generate$graphs.json" 2>&1 | tail -8
+  done
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+runs = [json.loads((out / f"generate{g}.json").read_text()) for g in ("--graphs", "--no-graphs")]
+merged = dict(runs[0], graphs=[True, False], results=runs[0]["results"] + runs[1]["results"],
+              roofline=runs[0]["roofline"] + runs[1]["roofline"])
+(out / "generate.json").write_text(json.dumps(merged, indent=2))
+PY
+fi
 if [ "$what" = breadth ]; then
   # The issue's "also within 10% of the best peer" configurations, one bench run each.
   while read -r name flags; do
@@ -65,6 +80,6 @@ head256 --head-size 256
 CONFIGS
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 300 python3 -m cupa bench --features --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
+  timeout "${CUPA_BENCH_TIMEOUT:-300}" python3 -m cupa bench --features --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
     | grep -v "^\s*\[\|INFO" | tee "$OUT/bench.log"
 fi
