@@ -30,8 +30,8 @@ from .gpu import catalogue, dispatch
 from .problem import FP8_QUERY_DTYPES, STORAGE_DTYPES, SUPPORTED_HEAD_SIZES
 from .reference import paged_decode_reference
 
-# ||out - ref|| / ||ref|| bounds, as the GPU tests use them (tests/cases.py REL_BOUND and
-# tests/test_gpu_fp8_decode.py FP8_REL_BOUND; tests/test_selftest.py checks they agree).
+# ||out - ref|| / ||ref|| bounds, as the GPU tests use them (tests/helpers/cases.py REL_BOUND and
+# tests/gpu/test_gpu_fp8_decode.py FP8_REL_BOUND; tests/unit/test_selftest.py checks they agree).
 REL_BOUND = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 FP8_REL_BOUND = 1e-2
 # The problem each case decodes: sequences of 1 token, of a part-filled block, and long enough

@@ -1,6 +1,7 @@
 """Shared fixtures, and the rule that a GPU run never turns into silent skips."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,7 +55,13 @@ def pytest_addoption(parser):
                           "(tools/device_run.sh runs N processes in parallel)")
 
 
+GPU_DIR = Path(__file__).resolve().parent / "gpu"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the gpu marker by folder, so `-m gpu` selects the GPU suite
+        if GPU_DIR in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.gpu)
     shard = config.getoption("--shard")
     if not shard:
         return

@@ -6,7 +6,7 @@ formulas are checked against something we did not write. Each file holds the cal
 verbatim output for one (architecture, instruction): the instruction details (-d), then the
 register layout (-R: matrix element -> VGPR, lane, bits) and the matrix layout (-M: VGPR and
 lane -> element) of A, B, C and D, all as CSV. Every section starts with the exact command that
-printed it, as a '# $ ' line; tests/amd_layouts.py parses them.
+printed it, as a '# $ ' line; tests/helpers/amd_layouts.py parses them.
 
 Usage (needs `pip install tabulate`):
     git clone https://github.com/ROCm/amd_matrix_instruction_calculator /tmp/calc

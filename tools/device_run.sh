@@ -20,7 +20,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   shards=8
   for i in $(seq 0 $((shards - 1))); do
     CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 480 python3 -m pytest -q -p no:cacheprovider \
-      -k "gpu or hf_parity" --shard "$i/$shards" "$@" tests > "$OUT/gpu_tests_$i.log" 2>&1 &
+      --shard "$i/$shards" "$@" tests/gpu tests/unit/test_hf_parity.py > "$OUT/gpu_tests_$i.log" 2>&1 &
   done
   wait
   for i in $(seq 0 $((shards - 1))); do
@@ -29,7 +29,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = emulated ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_gpu_amd_emulation.py "$@" \
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_amd_emulation.py "$@" \
     > "$OUT/emulation_tests.log" 2>&1
   echo "== emulation's own tests: $(grep -E "passed|failed|error" "$OUT/emulation_tests.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/emulation_tests.log" | head -10
@@ -38,8 +38,8 @@ if [ "$what" = emulated ]; then
     for i in $(seq 0 $((shards - 1))); do
       CUPA_EMULATE=$target CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 400 \
         python3 -m pytest -q -p no:cacheprovider --shard "$i/$shards" "$@" \
-        tests/test_gpu_decode.py tests/test_gpu_fp8_decode.py tests/test_gpu_multi_token.py \
-        tests/test_gpu_cache.py tests/test_gpu_host_path.py > "$OUT/emulated_${target}_$i.log" 2>&1 &
+        tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_fp8_decode.py tests/gpu/test_gpu_multi_token.py \
+        tests/gpu/test_gpu_cache.py tests/gpu/test_gpu_host_path.py > "$OUT/emulated_${target}_$i.log" 2>&1 &
     done
     wait
     for i in $(seq 0 $((shards - 1))); do

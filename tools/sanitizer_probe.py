@@ -5,7 +5,7 @@ the cache and lengths past the table's capacity, which the kernels must treat as
 
     compute-sanitizer --tool racecheck --racecheck-report hazard python3 tools/sanitizer_probe.py
 
-tests/test_gpu_sanitizer.py runs it under each tool. Prints one line per call and "probe done".
+tests/gpu/test_gpu_sanitizer.py runs it under each tool. Prints one line per call and "probe done".
 """
 import os
 import sys

@@ -3,8 +3,8 @@
 One module per AMD target: each of the target's amd_* matrix wrappers in a kernel that loads
 per-lane registers, applies the instruction `reps` times (D fed back as C, so consecutive calls
 share the scratch) and stores D; in emulated builds also the wavefront shuffles. The same
-source compiles emulated (NVRTC, sm_90; run by tests/test_gpu_amd_emulation.py), and real
-(clang -x hip for the gfx target; tests/test_amd_layouts.py checks it emits the instruction).
+source compiles emulated (NVRTC, sm_90; run by tests/gpu/test_gpu_amd_emulation.py), and real
+(clang -x hip for the gfx target; tests/unit/test_amd_layouts.py checks it emits the instruction).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import tempfile
 
-HEADER = pathlib.Path(__file__).resolve().parent.parent / "cupa" / "kernels" / "amd_emulation.cuh"
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "cupa" / "kernels" / "amd_emulation.cuh"
 THREADS = 128  # CUPA_THREADS of the decode kernels
 
 # gfx target -> (CUPA_WARP, CUPA_EMULATE_GFX, table family)

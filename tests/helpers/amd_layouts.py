@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "amd_matrix"
+DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data" / "amd_matrix"
 MATRICES = "ABCD"
 
 _COMMAND = re.compile(r"^# \$ python3 matrix_calculator\.py (.*)$")

@@ -1,7 +1,7 @@
 """AMD's MFMA/WMMA layout tables (tests/data/amd_matrix/, from AMD's Matrix Instruction
 Calculator), the numpy reference emulator built on them, and the emulation header's index
 formulas tied to them entry by entry. CPU only; the header's emulated instructions themselves
-run in tests/test_gpu_amd_emulation.py."""
+run in tests/gpu/test_gpu_amd_emulation.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import amd_layouts as L
 from amd_emulation_probe import HEADER, WRAPPERS, layout_of_table
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TABLES = L.table_names()
 
 

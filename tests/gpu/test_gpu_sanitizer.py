@@ -14,7 +14,7 @@ import pytest
 
 from cupa.arrays import gpu_available
 
-PROBE = Path(__file__).resolve().parent.parent / "tools" / "sanitizer_probe.py"
+PROBE = Path(__file__).resolve().parents[2] / "tools" / "sanitizer_probe.py"
 SANITIZER = shutil.which("compute-sanitizer")
 pytestmark = [pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU"),
               pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer is not on PATH")]

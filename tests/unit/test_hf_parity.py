@@ -8,16 +8,11 @@ prompts as one continuous batch.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
 
 from cupa.arrays import gpu_available  # noqa: E402
 from llm.engine import Engine  # noqa: E402

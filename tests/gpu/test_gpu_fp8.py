@@ -30,7 +30,7 @@ FORMATS = list(FP8_FORMATS)
 def test_device_decode_every_code(name):
     kernel_id = FP8_FORMATS[name].kernel_id
     got = fp8_probe.gpu_decode(np.arange(256, dtype=np.uint8), kernel_id)
-    want = decode_table(name)  # equals ml_dtypes bit for bit (tests/test_fp8.py)
+    want = decode_table(name)  # equals ml_dtypes bit for bit (tests/unit/test_fp8.py)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 

@@ -2,7 +2,7 @@
 
 The numpy backend runs the whole engine; what only a GPU can run (graph capture, hipBLAS, the
 bfloat16 decision on ROCm) is checked through its bookkeeping with simulated platforms and fake
-objects. tests/test_gpu_examples.py runs the real thing on a GPU.
+objects. tests/gpu/test_gpu_examples.py runs the real thing on a GPU.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import pytest
 
 import cupa
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from llm import engine as engine_module  # noqa: E402
 from llm import step_attention  # noqa: E402

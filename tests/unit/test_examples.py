@@ -22,8 +22,7 @@ from safetensors.numpy import load_file
 
 import cupa
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from llm.config import UnsupportedModelError, parse_config  # noqa: E402
 from llm.engine import Engine  # noqa: E402

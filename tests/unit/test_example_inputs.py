@@ -22,8 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
 
 import bench_generate  # noqa: E402
 import generate  # noqa: E402

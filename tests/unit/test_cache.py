@@ -495,7 +495,7 @@ def test_constructor_checks():
         cupa.PagedKVCache(1, 0, 8, 1, 64, backend="numpy")
     with pytest.raises(ValueError, match="head_size"):
         cupa.PagedKVCache(1, 4, 8, 1, 3, backend="numpy")
-    with pytest.raises(ValueError, match="kv_format"):  # fp8 caches: tests/test_cache_fp8.py
+    with pytest.raises(ValueError, match="kv_format"):  # fp8 caches: tests/unit/test_cache_fp8.py
         cupa.PagedKVCache(1, 4, 8, 1, 64, kv_format="int4", backend="numpy")
     with pytest.raises(ValueError, match="backend"):
         cupa.PagedKVCache(1, 4, 8, 1, 64, backend="tpu")

@@ -540,7 +540,7 @@ def test_bad_inputs_doc_names_existing_tests():
     import importlib
     import pathlib
     import re
-    docs = pathlib.Path(__file__).resolve().parents[1] / "docs"
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
     # The lead merges this section into docs/bad_inputs.md; read whichever holds it.
     sources = [p for p in (docs / "bad_inputs_api.md", docs / "bad_inputs.md") if p.exists()]
     text = next((p.read_text() for p in sources if "test_cache_errors.py::" in p.read_text()),

@@ -26,7 +26,7 @@ from cupa.gpu.planner import make_plan
 from cupa.problem import (FP8_QUERY_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES,
                           DecodeShape)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # hipDeviceProp_t fields cupa reads, as cupy returns them on ROCm 7.
 DEVICES = {
@@ -208,7 +208,7 @@ def test_info_names_the_hipcc_requirement():
     assert "sm_90" not in result.stdout.split("offline compile")[1]
 
 
-GPU_TEST_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_gpu_*.py"))
+GPU_TEST_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
 
 
 def selection(tmp_path, rocm: bool) -> dict:
@@ -217,7 +217,8 @@ def selection(tmp_path, rocm: bool) -> dict:
     report = tmp_path / f"selection-{'rocm' if rocm else 'cuda'}.json"
     env = dict(os.environ, **{platform.SIMULATE_ENV: "1" if rocm else "0",
                               "CUPA_SELECTION_REPORT": str(report)})
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(str(ROOT / "tests" / d) for d in
+                                                      ("helpers", "unit", "gpu", "offline")),
                                          env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                              "-p", "selection_probe", "-p", "no:cacheprovider", *GPU_TEST_FILES],

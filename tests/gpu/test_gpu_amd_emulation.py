@@ -1,6 +1,6 @@
 """The emulated AMD build on an NVIDIA GPU: every amd_* matrix wrapper of every emulated target
 (cupa/kernels/amd_emulation.cuh, compiled by NVRTC with CUPA_EMULATE_AMD=1) against the numpy
-reference emulator built on AMD's calculator tables (tests/amd_layouts.py), bit for bit, and
+reference emulator built on AMD's calculator tables (tests/helpers/amd_layouts.py), bit for bit, and
 the wave64/wave32 shuffles, ballot and butterflies against numpy. Skips without a GPU, and on
 ROCm (the emulation is an NVIDIA build)."""
 
