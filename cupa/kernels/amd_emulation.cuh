@@ -503,56 +503,40 @@ CUPA_AMD_FN amd_f32x4 amd_mfma_f32_16x16x32_fp8_fp8(amd_u32x2 a, amd_u32x2 b, am
 }
 #endif  // CUPA_AMD_MFMA_FP8
 
-#if CUPA_AMD_WMMA_GFX11
-// RDNA3 v_wmma_f32_16x16x16_f16, wave32; layout AmdLayoutWmmaGfx11 (A, B in both half-waves).
-CUPA_AMD_FN amd_f32x8 amd_wmma_gfx11_f32_16x16x16_f16(amd_u32x8 a, amd_u32x8 b, amd_f32x8 c) {
+// The 16-bit WMMA wrappers differ only in name, layout, element type and builtin: one macro.
+// NAME(A a, A b, amd_f32x8 c) with A the operand's register struct; ELEM x N the builtin's
+// vector type for it.
+#define CUPA_AMD_WMMA16(NAME, LAYOUT, FMT, A, ELEM, N, BUILTIN)                                  \
+    CUPA_AMD_FN amd_f32x8 NAME(A a, A b, amd_f32x8 c) {                                          \
+        CUPA_AMD_WMMA16_BODY(LAYOUT, FMT, ELEM, N, BUILTIN)                                      \
+    }
 #if CUPA_EMULATE_AMD
-    CUPA_AMD_EMULATED_MMA(AmdLayoutWmmaGfx11, F16, amd_f32x8, a, b, c)
+#define CUPA_AMD_WMMA16_BODY(LAYOUT, FMT, ELEM, N, BUILTIN)                                      \
+    CUPA_AMD_EMULATED_MMA(LAYOUT, FMT, amd_f32x8, a, b, c)
 #else
-    typedef CUPA_AMD_VEC(_Float16, 16) h16;
-    typedef CUPA_AMD_VEC(float, 8) f8;
-    return CUPA_AMD_BITCAST(amd_f32x8, __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(
-        CUPA_AMD_BITCAST(h16, a), CUPA_AMD_BITCAST(h16, b), CUPA_AMD_BITCAST(f8, c)));
+#define CUPA_AMD_WMMA16_BODY(LAYOUT, FMT, ELEM, N, BUILTIN)                                      \
+    typedef CUPA_AMD_VEC(ELEM, N) in_t;                                                          \
+    typedef CUPA_AMD_VEC(float, 8) f8;                                                           \
+    return CUPA_AMD_BITCAST(amd_f32x8, BUILTIN(CUPA_AMD_BITCAST(in_t, a),                        \
+                                               CUPA_AMD_BITCAST(in_t, b),                        \
+                                               CUPA_AMD_BITCAST(f8, c)));
 #endif
-}
 
-// RDNA3 v_wmma_f32_16x16x16_bf16, wave32; layout AmdLayoutWmmaGfx11.
-CUPA_AMD_FN amd_f32x8 amd_wmma_gfx11_f32_16x16x16_bf16(amd_u32x8 a, amd_u32x8 b, amd_f32x8 c) {
-#if CUPA_EMULATE_AMD
-    CUPA_AMD_EMULATED_MMA(AmdLayoutWmmaGfx11, BF16, amd_f32x8, a, b, c)
-#else
-    typedef CUPA_AMD_VEC(short, 16) s16;
-    typedef CUPA_AMD_VEC(float, 8) f8;
-    return CUPA_AMD_BITCAST(amd_f32x8, __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(
-        CUPA_AMD_BITCAST(s16, a), CUPA_AMD_BITCAST(s16, b), CUPA_AMD_BITCAST(f8, c)));
-#endif
-}
+#if CUPA_AMD_WMMA_GFX11
+// RDNA3 v_wmma_f32_16x16x16_f16 / _bf16, wave32; layout AmdLayoutWmmaGfx11 (A, B in both
+// half-waves).
+CUPA_AMD_WMMA16(amd_wmma_gfx11_f32_16x16x16_f16, AmdLayoutWmmaGfx11, F16, amd_u32x8, _Float16, 16,
+                __builtin_amdgcn_wmma_f32_16x16x16_f16_w32)
+CUPA_AMD_WMMA16(amd_wmma_gfx11_f32_16x16x16_bf16, AmdLayoutWmmaGfx11, BF16, amd_u32x8, short, 16,
+                __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32)
 #endif  // CUPA_AMD_WMMA_GFX11
 
 #if CUPA_AMD_WMMA_GFX12
-// RDNA4 v_wmma_f32_16x16x16_f16, wave32; layout AmdLayoutWmmaGfx12.
-CUPA_AMD_FN amd_f32x8 amd_wmma_gfx12_f32_16x16x16_f16(amd_u32x4 a, amd_u32x4 b, amd_f32x8 c) {
-#if CUPA_EMULATE_AMD
-    CUPA_AMD_EMULATED_MMA(AmdLayoutWmmaGfx12, F16, amd_f32x8, a, b, c)
-#else
-    typedef CUPA_AMD_VEC(_Float16, 8) h8;
-    typedef CUPA_AMD_VEC(float, 8) f8;
-    return CUPA_AMD_BITCAST(amd_f32x8, __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(
-        CUPA_AMD_BITCAST(h8, a), CUPA_AMD_BITCAST(h8, b), CUPA_AMD_BITCAST(f8, c)));
-#endif
-}
-
-// RDNA4 v_wmma_f32_16x16x16_bf16, wave32; layout AmdLayoutWmmaGfx12.
-CUPA_AMD_FN amd_f32x8 amd_wmma_gfx12_f32_16x16x16_bf16(amd_u32x4 a, amd_u32x4 b, amd_f32x8 c) {
-#if CUPA_EMULATE_AMD
-    CUPA_AMD_EMULATED_MMA(AmdLayoutWmmaGfx12, BF16, amd_f32x8, a, b, c)
-#else
-    typedef CUPA_AMD_VEC(short, 8) s8;
-    typedef CUPA_AMD_VEC(float, 8) f8;
-    return CUPA_AMD_BITCAST(amd_f32x8, __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(
-        CUPA_AMD_BITCAST(s8, a), CUPA_AMD_BITCAST(s8, b), CUPA_AMD_BITCAST(f8, c)));
-#endif
-}
+// RDNA4 v_wmma_f32_16x16x16_f16 / _bf16, wave32; layout AmdLayoutWmmaGfx12.
+CUPA_AMD_WMMA16(amd_wmma_gfx12_f32_16x16x16_f16, AmdLayoutWmmaGfx12, F16, amd_u32x4, _Float16, 8,
+                __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12)
+CUPA_AMD_WMMA16(amd_wmma_gfx12_f32_16x16x16_bf16, AmdLayoutWmmaGfx12, BF16, amd_u32x4, short, 8,
+                __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12)
 
 // RDNA4 v_wmma_f32_16x16x16_fp8_fp8 (OCP e4m3 inputs), wave32; layout AmdLayoutWmmaGfx12Fp8.
 CUPA_AMD_FN amd_f32x8 amd_wmma_gfx12_f32_16x16x16_fp8_fp8(amd_u32x2 a, amd_u32x2 b, amd_f32x8 c) {
