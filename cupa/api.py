@@ -120,11 +120,11 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     converted = inputs.as_tuple()
     result = plan.run(*converted[:5], query_start_loc=converted[5], alibi_slopes=converted[6],
                       sinks=converted[7], out=out, stream=stream)
-    if out is not None:
-        return result
     if return_lse:
-        return arrays.like(query, result[0]), arrays.like(query, result[1])
-    return arrays.like(query, result)
+        result, lse = result
+        return (result if out is not None else arrays.like(query, result),
+                arrays.like(query, lse))
+    return result if out is not None else arrays.like(query, result)
 
 
 def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,

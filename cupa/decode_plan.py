@@ -160,6 +160,11 @@ class DecodePlan:
             return None
         return "single" if plan.single_partition else "cluster" if plan.cluster_merge else "reduce"
 
+    @property
+    def signature(self):
+        """The planned arrays' `device_signature` (None unless they were all cupy arrays)."""
+        return self._signature
+
     def run(self, query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
             alibi_slopes=None, sinks=None, out=None, stream=None):
         """Decode with the plan's kernel, grid and workspace. The arrays must have the planned
@@ -195,13 +200,6 @@ class DecodePlan:
             result = out
         return (result, arrays.like(query, lse)) if self.options.return_lse else result
 
-    # --- internals ---------------------------------------------------------------------------
-
-    @property
-    def signature(self):
-        """The planned arrays' `device_signature` (None unless they were all cupy arrays)."""
-        return self._signature
-
     def run_matched(self, raw: tuple, out=None, stream=None):
         """`run` for the eight arrays of INPUT_NAMES (None where absent) already known to match
         the plan: cupy arrays whose device_signature equals `signature`, and an `out` of the
@@ -234,6 +232,8 @@ class DecodePlan:
         with self._lock:
             self._launch(pointers, stream_ptr)
         return (out, lse) if self.options.return_lse else out
+
+    # --- internals ---------------------------------------------------------------------------
 
     def _check_matches_plan(self, shape: DecodeShape, most_new):
         """Shapes, dtypes and options as planned; lengths need no check (the grid covers the

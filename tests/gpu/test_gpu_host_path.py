@@ -128,3 +128,20 @@ def test_jax_in_jax_out(rng):
     out = cupa.decode(*arrays)
     assert isinstance(out, jax.Array)
     assert rel_error(np.asarray(out), ref) <= REL_BOUND["float32"]
+
+
+def test_numpy_in_numpy_out_with_lse(rng):
+    """Host arrays are uploaded and checked on every call; the output, a host `out` and the
+    lse come back as numpy arrays."""
+    case = make_case(rng, dtype="float16", head_size=128, group=4, seq_lens=(300, 2, 0))
+    ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
+    out, lse = cupa.decode(*case.args(), return_lse=True)
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    assert rel_error(out, ref) <= REL_BOUND["float16"]
+    given = np.full(case.query.shape, np.nan, dtype=case.query.dtype)
+    result, lse = cupa.decode(*case.args(), return_lse=True, out=given)
+    assert result is given and isinstance(lse, np.ndarray)
+    assert rel_error(given, ref) <= REL_BOUND["float16"]
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)
+    assert np.array_equal(np.isfinite(lse), finite)
