@@ -79,7 +79,7 @@ def test_graph_capture_replays_with_new_contents(rng, switch, merge):
                             partition_size=256 if partitioned else 2560)
     assert (plan.max_partitions > 1) == partitioned
     if partitioned:  # clusters where the kernel can (sm_90, tensor cores), else the reduce
-        from cupa.gpu import catalogue, dispatch
+        from cupa.gpu import dispatch
         from cupa.gpu.device import device_info
         clusters = dispatch.merges_in_cluster(plan._launch_plan.variant,
                                               device_info().target.arch, plan.max_partitions)

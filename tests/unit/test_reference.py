@@ -57,8 +57,7 @@ def dense_attention(case):
 @pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_reference_matches_dense(dtype, alibi, group):
-    rng = np.random.default_rng()
+def test_reference_matches_dense(rng, dtype, alibi, group):
     case = make_case(rng, dtype=dtype, head_size=64, block_size=8, num_kv_heads=2, group=group,
                      seq_lens=(0, 1, 9, 40, 133), alibi=alibi)
     out, lse = paged_decode_reference(*case.args(), scale=case.scale,
@@ -69,8 +68,7 @@ def test_reference_matches_dense(dtype, alibi, group):
     assert np.isfinite(out).all(), "NaN planted in unused slots leaked into the reference"
 
 
-def test_single_token_returns_its_value():
-    rng = np.random.default_rng()
+def test_single_token_returns_its_value(rng):
     case = make_case(rng, dtype="float32", head_size=64, group=2, seq_lens=(1,))
     out, lse = paged_decode_reference(*case.args())
     block = case.block_tables[0, 0]

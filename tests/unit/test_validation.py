@@ -9,8 +9,8 @@ from cases import make_case
 
 
 @pytest.fixture
-def case():
-    return make_case(np.random.default_rng(), dtype="float16", head_size=64, block_size=16,
+def case(rng):
+    return make_case(rng, dtype="float16", head_size=64, block_size=16,
                      num_kv_heads=2, group=2, seq_lens=(5, 40))
 
 
