@@ -65,11 +65,17 @@ def _compile_batch(job):
     batch, arch = job
     from .gpu.offline import compile_offline
     start = time.perf_counter()
+    from .gpu.offline import CompilerMissing
     try:
         size = compile_offline(batch, arch)
         return batch, arch, True, f"{size} B", time.perf_counter() - start
+    except CompilerMissing as exc:  # one cause for the whole target: reported once
+        return batch, arch, False, MISSING_COMPILER + str(exc), time.perf_counter() - start
     except Exception as exc:  # reported in the table, and makes the exit code non-zero
         return batch, arch, False, str(exc), time.perf_counter() - start
+
+
+MISSING_COMPILER = "compiler missing: "
 
 
 def _batch_cost(batch) -> int:
@@ -129,7 +135,12 @@ def cmd_compile(args) -> int:
     if args.targets == "all":
         targets = list(offline.ALL_TARGETS)
     elif args.targets:
-        targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+        try:
+            targets = offline.check_targets([t.strip() for t in args.targets.split(",")
+                                             if t.strip()])
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     else:  # the defaults this machine has compilers for; named targets must all compile
         targets, notes = _default_targets()
         for note in notes:
@@ -140,12 +151,17 @@ def cmd_compile(args) -> int:
     started = time.perf_counter()
     results = compile_all(targets, jobs=args.jobs, representative=args.representative)
     elapsed = time.perf_counter() - started
+    # A target whose compiler is missing fails every variant for one cause: one line, with
+    # what to install, instead of a column of FAIL.
+    missing = {t: detail[len(MISSING_COMPILER):] for (_, t), (ok, detail) in results.items()
+               if not ok and detail.startswith(MISSING_COMPILER)}
+    shown_targets = [t for t in targets if t not in missing]
     width = max(len(v.entry_names[0]) for v in catalogue.all_variants())
-    print(f"{'variant':<{width}}  " + "  ".join(f"{t:>8}" for t in targets))
+    print(f"{'variant':<{width}}  " + "  ".join(f"{t:>8}" for t in shown_targets))
     failures = []
     for v in catalogue.all_variants():
         cells = []
-        for t in targets:
+        for t in shown_targets:
             if (v, t) not in results:  # not for this target, or not in the subset
                 cells.append(f"{'-':>8}")
                 continue
@@ -155,14 +171,20 @@ def cmd_compile(args) -> int:
                 failures.append((v, t, detail))
         if any(cell.strip() != "-" for cell in cells):
             print(f"{v.entry_names[0]:<{width}}  " + "  ".join(cells))
+    not_compiled = sum(1 for (_, t) in results if t in missing)
     total = len(results)
-    print(f"{total - len(failures)}/{total} compiled for {', '.join(targets)} in {elapsed:.0f} s")
+    print(f"{total - len(failures) - not_compiled}/{total} compiled for {', '.join(targets)} "
+          f"in {elapsed:.0f} s")
+    for target, cause in missing.items():
+        count = sum(1 for (_, t) in results if t == target)
+        print(f"{target}: {count} variants not compiled: {cause}; install: "
+              f"{offline.missing_compiler_hint(target)}", file=sys.stderr)
     shown = set()
     for v, t, detail in failures:  # each distinct log once (a batch's variants share theirs)
         if detail not in shown and len(shown) < 5:
             shown.add(detail)
             print(f"\n--- {v.entry_names[0]} on {t}:\n{detail[:4000]}", file=sys.stderr)
-    return 1 if failures else 0
+    return 1 if failures or missing else 0
 
 
 def cmd_selftest(args) -> int:

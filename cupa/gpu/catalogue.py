@@ -261,14 +261,17 @@ def offline_batches(arch: str, size: int = 32) -> list[list]:
 # Kernel families register a function listing all their variants, for the offline compile check.
 VARIANT_FAMILIES = {"decode": all_decode_variants, "decode_mma": all_mma_variants}
 # Families that exist only for NVIDIA targets.
-NVIDIA_ONLY_FAMILIES = {"decode_mma"}
+# Families that exist only for NVIDIA targets, from this sm on (mma.sync m16n8k16, cp.async).
+NVIDIA_ONLY_FAMILIES = {"decode_mma": 80}
 
 
 def all_variants(arch: str | None = None) -> list:
     """Every variant, or those that exist for `arch` ('sm_90', 'gfx942', ...)."""
-    hip = arch is not None and arch.startswith("gfx")
-    return [v for name, family in VARIANT_FAMILIES.items()
-            if not (hip and name in NVIDIA_ONLY_FAMILIES) for v in family()]
+    def exists(name):
+        if arch is None or name not in NVIDIA_ONLY_FAMILIES:
+            return True
+        return not arch.startswith("gfx") and sm_number(arch) >= NVIDIA_ONLY_FAMILIES[name]
+    return [v for name, family in VARIANT_FAMILIES.items() if exists(name) for v in family()]
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ import os
 from dataclasses import dataclass
 
 from .catalogue import (FP8_CACHE, FP8_E4M3_NATIVE, MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES,
-                        MMA_HEAD_SIZES, DecodeMmaVariant, DecodeVariant, head_tile, sm_number)
+                        MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, DecodeMmaVariant, DecodeVariant,
+                        head_tile, sm_number)
 
-MMA_MIN_SM = 80
+MMA_MIN_SM = NVIDIA_ONLY_FAMILIES["decode_mma"]
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
 # in an 8-column tile) leaves the tensor cores far from busy, so this is 1 unless the bench says
 # otherwise.

@@ -65,6 +65,39 @@ class CompilerMissing(RuntimeError):
     pass
 
 
+# The oldest NVIDIA target NVRTC 13 compiles; the AMD families cupa knows the wavefront of.
+MIN_NVIDIA_SM = 75
+_TARGET_NAME = re.compile(r"sm_(\d{2,3})a?|gfx(9|1[0-2])[0-9a-f]{2}")
+NVRTC_HINT = "pip install 'cupa[nvrtc]' (cupy-cuda13x and nvidia-cuda-nvrtc)"
+
+
+def check_targets(targets) -> list[str]:
+    """The targets, checked before anything compiles: each names an NVIDIA arch from
+    sm_{MIN_NVIDIA_SM} on or an AMD CDNA / RDNA processor. Raises ValueError naming the first
+    that is neither."""
+    if not targets:
+        raise ValueError("--targets: no target named")
+    for target in targets:
+        match = _TARGET_NAME.fullmatch(target)
+        if match is None:
+            raise ValueError(f"--targets: {target!r} is no compile target; give sm_NN (NVIDIA, "
+                             f"sm_{MIN_NVIDIA_SM} and newer) or gfxNNN (AMD, e.g. "
+                             f"{', '.join(HIP_TARGETS)}), or 'all'")
+        if match.group(1) is not None and int(match.group(1)) < MIN_NVIDIA_SM:
+            raise ValueError(f"--targets: {target} is older than NVRTC compiles (sm_"
+                             f"{MIN_NVIDIA_SM} and newer)")
+    return list(targets)
+
+
+def missing_compiler_hint(target: str) -> str:
+    """What to install for `target`'s offline compiler (or where to compile it)."""
+    if target.startswith("gfx"):
+        return INSTALL_HINT
+    if platform.is_rocm():  # cupy-rocm's nvrtc module is hipRTC: no NVRTC to install here
+        return "nothing here: compile sm_XX targets where cupy is built for CUDA"
+    return NVRTC_HINT
+
+
 def targets_by_default() -> tuple[str, ...]:
     """The targets `cupa compile` checks without --targets: all of them, except NVIDIA's on a
     ROCm machine, whose cupy has hipRTC where NVRTC would be."""
