@@ -99,8 +99,9 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     """
     raw = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
            alibi_slopes, sinks)
-    key = _cache_key(raw, out, backend, scale, sliding_window, logits_soft_cap, kv_format,
-                     k_scale, v_scale, return_lse, partition_size, max_seq_len, max_query_len)
+    key = _cache_key(raw, out, backend, k_scale, v_scale,
+                     (scale, sliding_window, logits_soft_cap, kv_format, return_lse,
+                      partition_size, max_seq_len, max_query_len))
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         return plan.run_matched(raw, out, stream)
@@ -175,19 +176,20 @@ def _scale_key(scale):
 _UNCACHEABLE = object()
 
 
-def _cache_key(raw, out, backend, *options):
-    """The plan cache's key for a call, or None where a call is not cached: host arrays (their
-    contents are checked and uploaded on every call), the numpy backend, device scale arrays."""
+def _cache_key(raw, out, backend, k_scale, v_scale, options: tuple):
+    """The plan cache's key for a call (`options`: its other keyword arguments), or None where
+    a call is not cached: host arrays (their contents are checked and uploaded on every call),
+    the numpy backend, device scale arrays."""
     if backend not in (None, "gpu") or not arrays.gpu_available():
         return None
     signature = device_signature(raw + (out,))
     if signature is None:
         return None
-    k_scale, v_scale = _scale_key(options[4]), _scale_key(options[5])
+    k_scale, v_scale = _scale_key(k_scale), _scale_key(v_scale)
     if k_scale is _UNCACHEABLE or v_scale is _UNCACHEABLE:
         return None
     try:
-        key = (signature, options[:4], k_scale, v_scale, options[6:],
+        key = (signature, options, k_scale, v_scale,
                arrays.cupy_module().cuda.runtime.getDevice(), dispatch.switches())
         hash(key)
     except TypeError:  # an unhashable option: validation will name it

@@ -29,9 +29,6 @@ from .problem import DecodeInputs, DecodeOptions, DecodeShape
 from .reference import paged_decode_reference
 from .validation import check_arrays, check_decode_args, check_table_contents, query_lens
 
-INPUT_NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
-               "query_start_loc", "alibi_slopes", "sinks")
-
 
 def convert_inputs(backend: str, raw: tuple) -> DecodeInputs:
     """The one conversion: every array as the backend's kind (zero-copy for device arrays)."""
@@ -119,7 +116,6 @@ class DecodePlan:
             return
         cupy = arrays.cupy_module()
         info = device_info()
-        self._device_index = info.index
         self._launch_plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
                                       partition_size=partition_size, max_seq_len=max_seq_len,
                                       max_query_len=self.max_query_len,
@@ -201,8 +197,8 @@ class DecodePlan:
         return (result, arrays.like(query, lse)) if self.options.return_lse else result
 
     def run_matched(self, raw: tuple, out=None, stream=None):
-        """`run` for the eight arrays of INPUT_NAMES (None where absent) already known to match
-        the plan: cupy arrays whose device_signature equals `signature`, and an `out` of the
+        """`run` for the eight arrays of problem.INPUT_NAMES (None where absent) already known
+        to match the plan: cupy arrays whose device_signature equals `signature`, and an `out` of the
         query's shape and dtype, C-contiguous (cupa.decode's plan cache has compared them).
         Nothing is checked here."""
         cupy = arrays.cupy_module()

@@ -68,6 +68,12 @@ class DecodeOptions:
     return_lse: bool = False
 
 
+# The arrays of a decode call, in the order every layer passes them (`DecodeInputs`).
+INPUT_NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+               "query_start_loc", "alibi_slopes", "sinks")
+REQUIRED_INPUTS = 5  # the first five are required, the others optional
+
+
 @dataclass
 class DecodeInputs:
     """The arrays of one call, as the backend's kind (cupy or numpy)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import (FP8_QUERY_DTYPES, MAX_QUERY_LEN, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES,
-                      SUPPORTED_HEAD_SIZES, DecodeShape)
+from .problem import (FP8_QUERY_DTYPES, INPUT_NAMES, MAX_QUERY_LEN, REQUIRED_INPUTS,
+                      SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES, DecodeShape)
 
 # numpy builds a dtype's name anew on every access (~10 us per decode call for the six arrays
 # validated): names are remembered per dtype object.
@@ -45,12 +45,10 @@ def check_is_array(name, x):
 
 
 def check_arrays(raw: tuple, out=None) -> None:
-    """check_is_array on a call's arrays (the eight of decode_plan.INPUT_NAMES, None where an
+    """check_is_array on a call's arrays (the eight of problem.INPUT_NAMES, None where an
     optional one is absent) and its `out`."""
-    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
-             "query_start_loc", "alibi_slopes", "sinks")
-    for index, (name, x) in enumerate(zip(names, raw)):
-        if x is not None or index < 5:
+    for index, (name, x) in enumerate(zip(INPUT_NAMES, raw)):
+        if x is not None or index < REQUIRED_INPUTS:
             check_is_array(name, x)
     if out is not None:
         check_is_array("out", out)

@@ -18,7 +18,8 @@ class Target:
     arch: str
     warp: int | None = None  # set when the device reports a warp size the name rule would miss
     # The emulated AMD build (tests and the bench, never users): this AMD target's semantics
-    # compiled by NVRTC for the NVIDIA GPU present (kernels/amd_emulation.cuh, docs/amd_emulation.md).
+    # compiled by NVRTC for the NVIDIA GPU present (kernels/amd_emulation.cuh,
+    # docs/amd_emulation.md).
     emulated: bool = False
 
     def __post_init__(self):
