@@ -211,6 +211,68 @@ def all_mma_variants() -> list[DecodeMmaVariant]:
             if h == 8 or d in MMA16_HEAD_SIZES]
 
 
+# AMD matrix cores (decode_matrix.cu): the processors with a 16x16x16 f16/bf16 instruction of
+# the layouts amd_emulation.cuh implements, by family. gfx908 (MI100) lacks the bf16 form used
+# here and RDNA1/2 have no WMMA: they run the portable kernel.
+MATRIX_CORE_ARCHS = {"mfma": ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950"),
+                     "wmma": ("gfx11", "gfx12")}  # wmma: prefixes of every RDNA3 / RDNA4 part
+MATRIX_DTYPES = ("float16", "bfloat16")
+MATRIX_HEAD_SIZES = (64, 128, 256)
+# Row tiles (16 query rows each) per workgroup: one up to 16 rows, two above (chunks of 32), one
+# at head 256, where two tiles' accumulators would take 256 of a lane's VGPRs on RDNA.
+MATRIX_TILES = (1, 2)
+
+
+def matrix_core_family(arch: str) -> str | None:
+    """'mfma', 'wmma' or None: the AMD matrix instruction family of a gfx target."""
+    if arch in MATRIX_CORE_ARCHS["mfma"]:
+        return "mfma"
+    if arch.startswith(MATRIX_CORE_ARCHS["wmma"]):
+        return "wmma"
+    return None
+
+
+def matrix_tiles(rows: int, head_size: int) -> int:
+    """Row tiles of the matrix-core variant for `rows` query rows per KV head."""
+    return 1 if rows <= 16 or head_size == 256 else 2
+
+
+@dataclass(frozen=True)
+class DecodeMatrixVariant(_TwoPhase):
+    """Phase 1 on AMD matrix cores (decode_matrix.cu: MFMA on CDNA, WMMA on RDNA3/RDNA4, the
+    instruction picked by the compile target), fp16/bf16 queries, head sizes 64/128/256, a
+    cache of the query type or fp8 codes. tiles: 16-row tiles of query rows per workgroup."""
+
+    dtype: str
+    head_size: int
+    tiles: int
+    cache: str | None = None  # None or FP8_CACHE
+    source_file = "decode_matrix.cu"
+    min_partition = 256
+    workgroups_per_sm = 4  # per compute unit on AMD
+    shared_bytes = 0  # static LDS only
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.tiles
+
+    @property
+    def partition_name(self) -> str:
+        return f"cupa_decode_xmma{self.tiles}_{self.tag}_d{self.head_size}"
+
+    def instantiations(self) -> list[str]:
+        ctype = DTYPES[self.dtype][1]
+        return [f"CUPA_DECODE_MATRIX_VARIANT({self.partition_name}, {ctype}, "
+                f"{_cache_type(self.dtype, self.cache)}, {self.head_size}, {self.tiles})",
+                self.reduce_instantiation()]
+
+
+def all_matrix_variants() -> list[DecodeMatrixVariant]:
+    return [DecodeMatrixVariant(dtype, d, tiles, cache) for dtype in MATRIX_DTYPES
+            for d in MATRIX_HEAD_SIZES for tiles in MATRIX_TILES for cache in (None, FP8_CACHE)
+            if tiles == 1 or d != 256]
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -259,18 +321,24 @@ def offline_batches(arch: str, size: int = 32) -> list[list]:
 
 
 # Kernel families register a function listing all their variants, for the offline compile check.
-VARIANT_FAMILIES = {"decode": all_decode_variants, "decode_mma": all_mma_variants}
-# Families that exist only for NVIDIA targets.
+VARIANT_FAMILIES = {"decode": all_decode_variants, "decode_mma": all_mma_variants,
+                    "decode_matrix": all_matrix_variants}
 # Families that exist only for NVIDIA targets, from this sm on (mma.sync m16n8k16, cp.async).
 NVIDIA_ONLY_FAMILIES = {"decode_mma": 80}
+# Families that exist only for AMD targets with matrix cores (matrix_core_family).
+AMD_MATRIX_FAMILIES = ("decode_matrix",)
 
 
 def all_variants(arch: str | None = None) -> list:
     """Every variant, or those that exist for `arch` ('sm_90', 'gfx942', ...)."""
     def exists(name):
-        if arch is None or name not in NVIDIA_ONLY_FAMILIES:
+        if arch is None:
             return True
-        return not arch.startswith("gfx") and sm_number(arch) >= NVIDIA_ONLY_FAMILIES[name]
+        if name in NVIDIA_ONLY_FAMILIES:
+            return not arch.startswith("gfx") and sm_number(arch) >= NVIDIA_ONLY_FAMILIES[name]
+        if name in AMD_MATRIX_FAMILIES:
+            return matrix_core_family(arch) is not None
+        return True
     return [v for name, family in VARIANT_FAMILIES.items() if exists(name) for v in family()]
 
 

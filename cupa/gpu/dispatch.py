@@ -13,9 +13,10 @@ import functools
 import os
 from dataclasses import dataclass
 
-from .catalogue import (FP8_CACHE, FP8_E4M3_NATIVE, MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES,
-                        MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, DecodeMmaVariant, DecodeVariant,
-                        head_tile, sm_number)
+from .catalogue import (FP8_CACHE, FP8_E4M3_NATIVE, MATRIX_DTYPES, MATRIX_HEAD_SIZES,
+                        MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES, MMA_HEAD_SIZES,
+                        NVIDIA_ONLY_FAMILIES, DecodeMatrixVariant, DecodeMmaVariant,
+                        DecodeVariant, head_tile, matrix_core_family, matrix_tiles, sm_number)
 
 MMA_MIN_SM = NVIDIA_ONLY_FAMILIES["decode_mma"]
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
@@ -35,13 +36,13 @@ CHAINED_REDUCE_MIN_SM = 90
 # without clusters, so 64 of them took two waves (docs/perf-log.md v14).
 CLUSTER_MERGE_MIN_SM = 90
 PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
-KERNEL_FORMS = ("auto", "portable")
+KERNEL_FORMS = ("auto", "portable")  # CUPA_KERNEL; portable: never tensor or matrix cores
 MERGE_FORMS = ("auto", "cluster", "reduce")
 
 
 @dataclass(frozen=True)
 class Switches:
-    kernel: str = "auto"          # CUPA_KERNEL: auto, or portable (never the tensor cores)
+    kernel: str = "auto"          # CUPA_KERNEL: auto, or portable (no tensor / matrix cores)
     merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
 
@@ -74,6 +75,13 @@ def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
 
 
+def matrix_eligible(dtype: str, head_size: int, arch: str) -> bool:
+    """Whether the AMD matrix-core kernel serves this problem on this target (any number of
+    query rows: more than its tile are chunked across the grid)."""
+    return (switches().kernel != "portable" and matrix_core_family(arch) is not None
+            and dtype in MATRIX_DTYPES and head_size in MATRIX_HEAD_SIZES)
+
+
 def chains_reduce(arch: str) -> bool:
     """Whether the reduce on `arch` is launched as a programmatic dependent of phase 1."""
     return switches().chained_reduce and sm_number(arch) >= CHAINED_REDUCE_MIN_SM
@@ -97,4 +105,6 @@ def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
         if kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM:
             cache = FP8_E4M3_NATIVE
         return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
+    if matrix_eligible(dtype, head_size, arch):
+        return DecodeMatrixVariant(dtype, head_size, matrix_tiles(rows, head_size), cache)
     return DecodeVariant(dtype, head_size, head_tile(rows), cache)

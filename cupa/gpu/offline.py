@@ -141,12 +141,12 @@ def _representatives(group: list) -> list:
         return list(group)  # no compile-time shape (the cache write kernels): all of them
     heads = sorted({v.head_size for v in group})
     wanted = {("head", h) for h in (heads[0], heads[len(heads) // 2], heads[-1])}
-    wanted |= {("tile", v.heads) for v in group}
+    wanted |= {("tile", v.rows) for v in group}
 
     def covers(v):
-        return {("head", v.head_size), ("tile", v.heads)} & wanted
+        return {("head", v.head_size), ("tile", v.rows)} & wanted
 
-    chosen = [max(group, key=lambda v: (v.head_size, v.heads))]
+    chosen = [max(group, key=lambda v: (v.head_size, v.rows))]
     missing = wanted - covers(chosen[0])
     while missing:
         best = max(group, key=lambda v: len(covers(v) & missing))

@@ -92,8 +92,8 @@ def test_representative_subset_covers_every_kind_of_variant():
                 continue
             heads = sorted({v.head_size for v in group})
             assert {heads[0], heads[len(heads) // 2], heads[-1]} <= {v.head_size for v in chosen}
-            assert {v.heads for v in group} == {v.heads for v in chosen}
-            assert max(group, key=lambda v: (v.head_size, v.heads)) in chosen
+            assert {v.rows for v in group} == {v.rows for v in chosen}
+            assert max(group, key=lambda v: (v.head_size, v.rows)) in chosen
     assert any(isinstance(v, catalogue.DecodeMmaVariant)
                for v in offline.representative_variants("sm_90"))
     assert not any(isinstance(v, catalogue.DecodeMmaVariant)
