@@ -27,6 +27,7 @@ from .gpu.occupancy import resident_workgroups
 from .gpu.planner import make_plan
 from .problem import DecodeInputs, DecodeOptions, DecodeShape
 from .reference import paged_decode_reference
+from .selftest import first_use_guard
 from .validation import check_arrays, check_decode_args, check_table_contents, query_lens
 
 
@@ -119,7 +120,8 @@ class DecodePlan:
         self._launch_plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
                                       partition_size=partition_size, max_seq_len=max_seq_len,
                                       max_query_len=self.max_query_len,
-                                      residency=lambda v: resident_workgroups(v, info))
+                                      residency=lambda v: resident_workgroups(v, info),
+                                      trusted=first_use_guard(info))
         self._launch = DecodeLaunch(self._launch_plan, shape, info.index)
         _, self._max_offset, self._sum_offset = workspace_bytes(self._launch_plan, shape)
         scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale, self.v_scale,

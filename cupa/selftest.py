@@ -7,9 +7,10 @@ every (variant, fp8 format) the planner would launch here runs, in one partition
 (the reduce kernel). The output is a table; the exit code is 0 when every case is within its
 bound, 1 on a mismatch, 2 when there is no GPU to test.
 
-`check_variant_once` is the per-process, disk-cached form for one variant, meant to guard the
-first use of a kernel family that has not been run on a device model before (the planner's hook
-into it is not made here).
+`check_variant_once` is the per-process, disk-cached form for one variant. `first_use_guard`
+hooks it into the planner on real AMD devices: a matrix-core variant (MFMA / WMMA, so far
+emulated but never run on AMD hardware) is checked before its first use there, and one that
+fails is replaced by the portable kernel with a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 import zlib
 from dataclasses import dataclass, field
 
@@ -219,6 +221,8 @@ def main(args=None, out=None) -> int:
 
 CHECKS_FILE = "cupa_variant_checks.json"
 _checked: dict = {}  # this process's answers, by cache key
+_running: set = set()  # keys being checked now: the check's own decodes run the variant
+_warned: set = set()  # variants already reported as failed in this process
 
 
 def kernel_cache_dir() -> str:
@@ -288,6 +292,8 @@ def check_variant_once(variant, device_info, *, runner=None, cache_dir: str | No
     key = check_key(variant, device_info, driver)
     if key in _checked:
         return _checked[key]
+    if key in _running:  # the check's own decode planning this variant
+        return True
     path = os.path.join(cache_dir or kernel_cache_dir(), CHECKS_FILE)
     stored = _read_checks(path)
     if isinstance(stored.get(key), bool):
@@ -297,13 +303,35 @@ def check_variant_once(variant, device_info, *, runner=None, cache_dir: str | No
     if case is None:
         ok = False
     else:
+        _running.add(key)
         try:
             ok = passed(case, (runner or run_on_gpu)(case, np.random.default_rng(SEED)))
         except Exception:  # a kernel that does not compile or launch has not passed
             ok = False
+        finally:
+            _running.discard(key)
     _checked[key] = ok
     try:
         _write_check(path, key, ok)
     except OSError:  # a read-only cache directory: remembered for this process only
         pass
     return ok
+
+
+def first_use_guard(device_info):
+    """The planner's `trusted` hook for a device: on a real AMD device (HIP runtime), each
+    matrix-core variant passes check_variant_once before it is first planned; one that fails
+    is reported once per process and the planner uses the portable kernel instead. Everything
+    else (NVIDIA, the emulated AMD build, the portable kernels) is trusted as it is."""
+    def trusted(variant) -> bool:
+        if not (device_info.hip_runtime and isinstance(variant, catalogue.DecodeMatrixVariant)):
+            return True
+        ok = check_variant_once(variant, device_info)
+        if not ok and variant.partition_name not in _warned:
+            _warned.add(variant.partition_name)
+            warnings.warn(f"cupa: {variant.partition_name} gave wrong results in its first-use "
+                          f"check on {device_info.name} ({device_info.target.arch}); using the "
+                          f"portable kernel instead. Please run `python -m cupa selftest` and "
+                          f"report its table.", RuntimeWarning, stacklevel=2)
+        return ok
+    return trusted

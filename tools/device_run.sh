@@ -2,8 +2,10 @@
 # One device session: GPU tests, then benchmarks.
 # Usage: tools/device_run.sh [tests|emulated|bench|generate|all|breadth] [pytest args]
 #   generate: the example engine at 8 and 32 prompts, 512 -> 256, graphs and eager, one json
-#   emulated: the decode suites under the emulated AMD builds (CUPA_EMULATE=gfx942, gfx1100; the
-#             portable kernel at wave64 and wave32) and the emulation's own tests.
+#   emulated: the decode suites under the emulated AMD builds and the emulation's own tests:
+#             the portable kernel at gfx942 (wave64) and gfx1100 (wave32), the matrix-core
+#             kernel at gfx90a, gfx942 (MFMA), gfx1100 and gfx1201 (WMMA); CUPA_EMULATED_TARGETS
+#             picks entries ("gfx942", "gfx942:portable").
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present.
 # The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
 # reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
@@ -29,24 +31,30 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = emulated ]; then
+  # Each entry: an AMD target, emulated; ":portable" forces the portable kernel there (the
+  # default picks the matrix-core kernel wherever it applies). Default: the six pairs of #21.
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_amd_emulation.py "$@" \
     > "$OUT/emulation_tests.log" 2>&1
   echo "== emulation's own tests: $(grep -E "passed|failed|error" "$OUT/emulation_tests.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/emulation_tests.log" | head -10
-  for target in ${CUPA_EMULATED_TARGETS:-gfx942 gfx1100}; do
+  for entry in ${CUPA_EMULATED_TARGETS:-gfx942:portable gfx1100:portable gfx90a gfx942 gfx1100 gfx1201}; do
+    target=${entry%%:*}; kernel=auto; [ "$entry" != "$target" ] && kernel=${entry#*:}
+    name=${target}_$kernel
     shards=8
     for i in $(seq 0 $((shards - 1))); do
-      CUPA_EMULATE=$target CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 400 \
+      CUPA_EMULATE=$target CUPA_KERNEL=$kernel CUPA_FUZZ_PER_CHUNK=${CUPA_FUZZ_PER_CHUNK:-16} \
+        CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout ${CUPA_EMULATED_TIMEOUT:-400} \
         python3 -m pytest -q -p no:cacheprovider --shard "$i/$shards" "$@" \
         tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_fp8_decode.py tests/gpu/test_gpu_multi_token.py \
-        tests/gpu/test_gpu_cache.py tests/gpu/test_gpu_host_path.py > "$OUT/emulated_${target}_$i.log" 2>&1 &
+        tests/gpu/test_gpu_cache.py tests/gpu/test_gpu_host_path.py tests/gpu/test_gpu_fuzz.py \
+        > "$OUT/emulated_${name}_$i.log" 2>&1 &
     done
     wait
     for i in $(seq 0 $((shards - 1))); do
-      echo "== $target shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/emulated_${target}_$i.log" | tail -1)"
-      grep -E "^(FAILED|ERROR)" "$OUT/emulated_${target}_$i.log" | head -5
+      echo "== $name shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/emulated_${name}_$i.log" | tail -1)"
+      grep -E "^(FAILED|ERROR)" "$OUT/emulated_${name}_$i.log" | head -5
     done
-    cat "$OUT"/emulated_${target}_*.log > "$OUT/emulated_${target}.log" && rm "$OUT"/emulated_${target}_*.log
+    cat "$OUT"/emulated_${name}_*.log > "$OUT/emulated_${name}.log" && rm "$OUT"/emulated_${name}_*.log
   done
 fi
 if [ "$what" = generate ]; then

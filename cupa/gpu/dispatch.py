@@ -97,14 +97,15 @@ def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
 
 
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
-                   kv_format: str | None = None):
+                   kv_format: str | None = None, *, matrix_cores: bool = True):
     """The phase-1 variant for a problem on a target: `rows` = query rows per KV head (GQA group
-    x new tokens per sequence), `kv_format` = None or an fp8 format name."""
+    x new tokens per sequence), `kv_format` = None or an fp8 format name. matrix_cores=False:
+    never the AMD matrix-core kernel (one that failed its first-use check here)."""
     cache = None if kv_format is None else FP8_CACHE
     if mma_eligible(dtype, head_size, rows, arch):
         if kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM:
             cache = FP8_E4M3_NATIVE
         return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
-    if matrix_eligible(dtype, head_size, arch):
+    if matrix_cores and matrix_eligible(dtype, head_size, arch):
         return DecodeMatrixVariant(dtype, head_size, matrix_tiles(rows, head_size), cache)
     return DecodeVariant(dtype, head_size, head_tile(rows), cache)

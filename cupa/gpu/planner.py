@@ -47,12 +47,17 @@ def _round_up(value: int, multiple: int) -> int:
 
 def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
               partition_size: int | None = None, max_seq_len: int | None = None,
-              max_query_len: int = 1, residency=None) -> LaunchPlan:
+              max_query_len: int = 1, residency=None, trusted=None) -> LaunchPlan:
     """max_query_len: the most new tokens of a sequence (1 without query_start_loc).
     residency: variant -> workgroups a multiprocessor holds at once, or None where unknown
-    (cupa.gpu.occupancy on the GPU); it decides the wave-quantisation step, skipped without it."""
+    (cupa.gpu.occupancy on the GPU); it decides the wave-quantisation step, skipped without it.
+    trusted: variant -> whether it may run here (cupa.selftest.first_use_guard on AMD devices);
+    an untrusted AMD matrix-core variant gives way to the portable kernel."""
     rows = shape.group * max_query_len  # query rows per (sequence, KV head)
     variant = dispatch.decode_variant(shape.dtype, shape.head_size, rows, arch, shape.kv_format)
+    if trusted is not None and not trusted(variant):
+        variant = dispatch.decode_variant(shape.dtype, shape.head_size, rows, arch,
+                                          shape.kv_format, matrix_cores=False)
     head_chunks = -(-rows // variant.rows)
     capacity = shape.capacity
     if partition_size is None:

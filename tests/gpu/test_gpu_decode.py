@@ -30,12 +30,15 @@ def to_gpu(case):
 
 
 def kernel_modes(case):
-    """'auto' picks the tensor-core kernel where it applies; check the portable one there too."""
+    """'auto' picks the tensor-core (NVIDIA) or matrix-core (AMD) kernel where it applies;
+    check the portable one there too."""
     from cupa.gpu.device import device_info
     num_kv_heads, _, head_size = case.key_cache.shape[1:]
     group = case.query.shape[1] // num_kv_heads
     dtype = np.dtype(case.query.dtype).name
-    eligible = dispatch.mma_eligible(dtype, head_size, group, device_info().target.arch)
+    arch = device_info().target.arch
+    eligible = (dispatch.mma_eligible(dtype, head_size, group, arch)
+                or dispatch.matrix_eligible(dtype, head_size, arch))
     return ("auto", "portable") if eligible else ("auto",)
 
 
@@ -221,6 +224,8 @@ def test_tensor_core_kernel_is_chosen_where_it_applies():
     variant = make_plan(shape, 132, arch=arch).variant
     nvidia_ampere_plus = arch.startswith("sm_") and int(arch[3:]) >= 80
     assert isinstance(variant, catalogue.DecodeMmaVariant) == nvidia_ampere_plus
+    amd_matrix_cores = catalogue.matrix_core_family(arch) is not None
+    assert isinstance(variant, catalogue.DecodeMatrixVariant) == amd_matrix_cores
 
 
 GPU_FEATURES = {

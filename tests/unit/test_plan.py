@@ -25,7 +25,14 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 128, 16, "sm_90", "cupa_decode_mma16_f16_d128"),
     ("float16", 128, 64, "sm_90", "cupa_decode_mma16_f16_d128"),
     ("float16", 128, 8, "sm_75", "cupa_decode_f16_d128_h8"),      # no mma.sync path below sm_80
-    ("float16", 128, 8, "gfx942", "cupa_decode_f16_d128_h8"),     # AMD: portable kernel
+    ("float16", 128, 8, "gfx942", "cupa_decode_xmma1_f16_d128"),  # AMD: matrix cores
+    ("bfloat16", 64, 1, "gfx90a", "cupa_decode_xmma1_bf16_d64"),  # MHA: one padded tile
+    ("float16", 128, 32, "gfx1100", "cupa_decode_xmma2_f16_d128"),  # two 16-row tiles
+    ("float16", 256, 32, "gfx1201", "cupa_decode_xmma1_f16_d256"),  # head 256: one tile
+    ("float16", 128, 8, "gfx1030", "cupa_decode_f16_d128_h8"),    # RDNA2: no WMMA, portable
+    ("float16", 128, 8, "gfx908", "cupa_decode_f16_d128_h8"),     # MI100: portable
+    ("float32", 128, 8, "gfx942", "cupa_decode_f32_d128_h8"),     # fp32: portable
+    ("float16", 96, 4, "gfx942", "cupa_decode_f16_d96_h4"),       # head 96: portable
     ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
     ("float16", 96, 3, "sm_90", "cupa_decode_f16_d96_h4"),        # head 96: portable, tile 4
     ("bfloat16", 256, 12, "sm_90", "cupa_decode_bf16_d256_h8"),   # 16-row tiles stop at head 128
@@ -44,7 +51,8 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
     ("float16", 128, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d128", 2 ** 8),
     ("float16", 128, 8, "sm_90", "fp8_e4m3fnuz", "cupa_decode_mma8_f16kv8_d128", 2 ** 7),
     ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_bf16kv8_d96_h4", 2 ** 8),
-    ("float16", 128, 8, "gfx942", "fp8_e4m3fnuz", "cupa_decode_f16kv8_d128_h8", 2 ** 7),
+    ("float16", 128, 8, "gfx942", "fp8_e4m3fnuz", "cupa_decode_xmma1_f16kv8_d128", 2 ** 7),
+    ("bfloat16", 64, 40, "gfx1201", "fp8_e4m3", "cupa_decode_xmma2_bf16kv8_d64", 2 ** 8),
 ])
 def test_fp8_kernel_selection(dtype, head_size, rows, arch, fmt, expected, power):
     from cupa.fp8 import FP8_FORMATS
@@ -94,7 +102,9 @@ def test_row_chunks_cover_every_new_token():
     plan = make_plan(shape(), H200_SMS, arch="sm_90", max_query_len=4)
     assert plan.variant.heads == 16 and plan.head_chunks == 1 and plan.max_query_len == 4
     plan = make_plan(shape(), H200_SMS, arch="gfx942", max_query_len=4)
-    assert plan.variant.heads == 8 and plan.head_chunks == 4
+    assert plan.variant.rows == 32 and plan.head_chunks == 1  # two 16-row matrix tiles
+    plan = make_plan(shape(), H200_SMS, arch="gfx1030", max_query_len=4)
+    assert plan.variant.heads == 8 and plan.head_chunks == 4  # portable: chunks of 8
     plan = make_plan(shape(heads=8, kv_heads=8), H200_SMS, arch="sm_90", max_query_len=3)
     assert plan.variant.heads == 8 and plan.head_chunks == 1  # MHA, 3 tokens: 3 rows
 
@@ -281,3 +291,21 @@ def test_short_one_token_launches_pair_their_partitions_in_clusters(switch):
     switch("CUPA_MERGE", "reduce")
     assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90",
                      max_seq_len=4096).max_partitions == 4
+
+
+def test_forcing_the_portable_kernel_on_amd(switch):
+    switch("CUPA_KERNEL", "portable")
+    assert isinstance(dispatch.decode_variant("float16", 128, 8, "gfx942"), catalogue.DecodeVariant)
+
+
+def test_an_untrusted_matrix_variant_gives_way_to_the_portable_kernel():
+    asked = []
+
+    def trusted(variant):
+        asked.append(variant)
+        return not isinstance(variant, catalogue.DecodeMatrixVariant)
+
+    plan = make_plan(shape(), 304, arch="gfx942", trusted=trusted)
+    assert isinstance(asked[0], catalogue.DecodeMatrixVariant)
+    assert plan.variant == catalogue.DecodeVariant("float16", 128, 8)
+    assert make_plan(shape(), 304, arch="gfx942", trusted=lambda v: True).variant == asked[0]

@@ -126,9 +126,10 @@ def shapes():
 
 @pytest.mark.parametrize("merge", ["auto", "cluster"])
 def test_kernel_choice_and_plans(rocm_device, switch, merge):
-    """Every problem plans the portable kernel (no tensor cores, clusters or chained reduce on
-    AMD), a variant the offline compile checks for this target, with the planner's residency
-    hook asking nothing of a compiler; its workgroup fits the device."""
+    """Every problem plans the matrix-core kernel where it applies (fp16/bf16, head 64/128/256)
+    and the portable one elsewhere (no NVIDIA tensor cores, clusters or chained reduce on AMD),
+    a variant the offline compile checks for this target, with the planner's residency hook
+    asking nothing of a compiler; its workgroup fits the device."""
     switch("CUPA_MERGE", merge)
     arch, info = rocm_device.target.arch, rocm_device
     compiled = set(catalogue.all_variants(arch))
@@ -137,7 +138,10 @@ def test_kernel_choice_and_plans(rocm_device, switch, merge):
         plan = make_plan(shape, info.multiprocessors, arch=arch, max_query_len=new_tokens,
                          max_seq_len=2048, residency=lambda v: resident_workgroups(v, info))
         v = plan.variant
-        assert isinstance(v, catalogue.DecodeVariant) and v in compiled, (shape, v)
+        matrix = (shape.dtype in catalogue.MATRIX_DTYPES
+                  and shape.head_size in catalogue.MATRIX_HEAD_SIZES)
+        family = catalogue.DecodeMatrixVariant if matrix else catalogue.DecodeVariant
+        assert isinstance(v, family) and v in compiled, (shape, v)
         assert not plan.cluster_merge
         assert v.shared_bytes <= info.shared_memory_per_block
         assert plan.head_chunks * v.rows >= shape.group * new_tokens
@@ -149,7 +153,10 @@ def test_the_gpu_suites_own_selection_helpers(rocm_device, rng):
     from cases import make_case
     test_gpu_decode.test_tensor_core_kernel_is_chosen_where_it_applies()
     case = make_case(rng, dtype="float16", head_size=128, group=8)
-    assert test_gpu_decode.kernel_modes(case) == ("auto",)  # no tensor-core kernel to compare
+    # the matrix-core kernel, and the portable one beside it
+    assert test_gpu_decode.kernel_modes(case) == ("auto", "portable")
+    case = make_case(rng, dtype="float32", head_size=128, group=8)
+    assert test_gpu_decode.kernel_modes(case) == ("auto",)  # fp32: the portable kernel only
 
 
 def test_compile_targets_and_offline_skips_on_rocm(monkeypatch):

@@ -3,6 +3,7 @@ matrix, the table and exit codes with fake runners, and the on-disk cache of var
 
 import io
 import json
+import warnings
 import subprocess
 import sys
 
@@ -44,8 +45,12 @@ def test_cases_reach_every_variant_dispatch_can_pick(arch):
         assert c.rows == 1 or dispatch.decode_variant(c.dtype, c.head_size, c.rows - 1, arch,
                                                       c.kv_format) != c.variant
     variants = {c.variant for c in cases}
-    if arch.startswith("gfx"):  # every portable variant is reachable, and nothing else
-        assert variants == set(catalogue.all_decode_variants())
+    if arch.startswith("gfx"):  # the matrix-core variants, and portable ones where they stop
+        matrix = {v for v in catalogue.all_decode_variants()
+                  if v.dtype in catalogue.MATRIX_DTYPES
+                  and v.head_size in catalogue.MATRIX_HEAD_SIZES}
+        assert variants == (set(catalogue.all_decode_variants()) - matrix) | set(
+            catalogue.all_matrix_variants())
     else:
         assert {v for v in variants if isinstance(v, catalogue.DecodeMmaVariant)} == {
             v for v in catalogue.all_mma_variants()
@@ -173,9 +178,9 @@ def test_check_variant_once_runs_once_per_device_driver_and_variant(tmp_path, fr
     stored = json.loads((tmp_path / selftest.CHECKS_FILE).read_text())
     assert list(stored.values()) == [True]
     key = next(iter(stored))
-    assert "AMD Instinct MI300X|gfx942|driver 60443|cupa_decode_f16_d128_h4|" in key
+    assert "AMD Instinct MI300X|gfx942|driver 60443|cupa_decode_xmma1_f16_d128|" in key
     assert check(driver=70000) is True and runner.calls == 2  # a new driver: checked again
-    other = dispatch.decode_variant("float16", 128, 8, "gfx942")
+    other = dispatch.decode_variant("float16", 128, 32, "gfx942")
     assert selftest.check_variant_once(other, info, runner=runner, cache_dir=str(tmp_path),
                                        driver=70000) and runner.calls == 3
     assert len(json.loads((tmp_path / selftest.CHECKS_FILE).read_text())) == 3
@@ -212,3 +217,47 @@ def test_a_variant_out_of_reach_or_a_raising_runner_does_not_pass(tmp_path, fres
     variant = dispatch.decode_variant("float32", 256, 8, "gfx942")
     assert selftest.check_variant_once(variant, info, runner=raising, cache_dir=str(tmp_path),
                                        driver=1) is False
+
+
+def test_the_check_running_its_own_decode_does_not_check_again(tmp_path, fresh_checks):
+    """check_variant_once's decode plans the variant under test: that planning is trusted
+    instead of starting the check again (which would recurse without end)."""
+    info = info_from_properties(0, GFX942, rocm=True)
+    variant = dispatch.decode_variant("float16", 128, 8, "gfx942")
+    inner = []
+
+    def runner(case, rng):  # what run_on_gpu's plan_decode does through first_use_guard
+        inner.append(selftest.check_variant_once(variant, info, cache_dir=str(tmp_path),
+                                                 driver=1))
+        return selftest.Outcome(errors={"1 partition": 0.0})
+
+    assert selftest.check_variant_once(variant, info, runner=runner, cache_dir=str(tmp_path),
+                                       driver=1) is True
+    assert inner == [True] and not selftest._running
+
+
+def test_first_use_guard_checks_matrix_variants_on_amd_only(monkeypatch, fresh_checks):
+    asked = []
+
+    def fake_check(variant, info):
+        asked.append(variant)
+        return False
+
+    monkeypatch.setattr(selftest, "check_variant_once", fake_check)
+    monkeypatch.setattr(selftest, "_warned", set())
+    amd = info_from_properties(0, GFX942, rocm=True)
+    matrix = dispatch.decode_variant("float16", 128, 8, "gfx942")
+    assert isinstance(matrix, catalogue.DecodeMatrixVariant)
+    guard = selftest.first_use_guard(amd)
+    with pytest.warns(RuntimeWarning, match=f"{matrix.partition_name} gave wrong results.*"
+                                            "portable kernel.*python -m cupa selftest"):
+        assert guard(matrix) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once per process
+        assert guard(matrix) is False
+        assert guard(catalogue.DecodeVariant("float16", 128, 8)) is True  # portable: as is
+    assert asked == [matrix, matrix]
+    # NVIDIA, and the emulated AMD build (CUDA runtime), trust their kernels as they are.
+    nvidia = info_from_properties(0, {"name": "NVIDIA H200", "major": 9, "minor": 0,
+                                      "warpSize": 32, "multiProcessorCount": 132}, rocm=False)
+    assert selftest.first_use_guard(nvidia)(matrix) is True and len(asked) == 2
