@@ -283,12 +283,30 @@ CUPA_AMD_FN unsigned int shfl_bits(unsigned int v, int src_lane) {
 #endif
 }
 
+// Subnormals. AMD documents that gfx90a's (MI200's) f16 and bf16 MFMAs flush subnormal input
+// and output data to zero (ROCm MIOpen docs, "MI200 matrix fused multiply-add (MFMA) behavior
+// specifics"); for the other targets no flushing is documented, so they are emulated with IEEE
+// subnormals. Either way explicitly: fmaf would follow NVRTC's -ftz=true, which cupy sets.
+#define CUPA_EMU_MMA_FLUSHES (CUPA_EMULATE_GFX == 0x90a)
+
+CUPA_AMD_FN float mma_step(float a, float b, float acc) {
+    float r;
+#if CUPA_EMU_MMA_FLUSHES
+    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(acc));
+#else
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(acc));
+#endif
+    return r;
+}
+
 // Element decoding, exact. The matrix cores' inputs are f16, bf16 or e4m3 (two encodings).
 enum { F16 = 0, BF16 = 1, FP8_FNUZ = 2, FP8_OCP = 3 };
 
 template <int FMT>
 CUPA_AMD_FN float decode(unsigned int code) {
     if (FMT == F16) {
+        // f16 subnormals are float32 normals, so ftz alone would keep them: flush them here.
+        if (CUPA_EMU_MMA_FLUSHES && (code & 0x7c00u) == 0u) return (code & 0x8000u) ? -0.0f : 0.0f;
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)code));
         return f;
@@ -312,8 +330,8 @@ CUPA_AMD_FN float decode(unsigned int code) {
 // wavefront's scratch, then computes its own D registers, each from the K products that the
 // layout places in other lanes' registers. Float32, k ascending from C, one rounding a step
 // (an fma whose product is exact: always for f16 and fp8, for bf16 unless it leaves float32's
-// range), so one fixed, reproducible order; tests/amd_layouts.py's reference_mma computes the
-// same bits. The hardware's order and internal precision are not documented and not claimed.
+// range; subnormals as mma_step says), so one fixed, reproducible order; tests/amd_layouts.py's
+// reference_mma computes the same bits. The hardware's order and internal precision are not documented and not claimed.
 // Replicated operands (RDNA3) must agree in all copies: the hardware's choice of copy is
 // unspecified, so any disagreement makes the D elements it feeds NaN.
 template <class L, int FMT>
@@ -353,7 +371,7 @@ CUPA_AMD_FN void mma(const unsigned int* a, const unsigned int* b, const float* 
                     poisoned |= av != ak || bv != bk;
                 }
             }
-            acc = fmaf(decode<FMT>(ak), decode<FMT>(bk), acc);
+            acc = mma_step(decode<FMT>(ak), decode<FMT>(bk), acc);
         }
         d[r] = poisoned ? __uint_as_float(0x7fc00000u) : acc;
     }

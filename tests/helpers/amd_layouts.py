@@ -246,6 +246,24 @@ def unpack(layout: Layout, matrix: str, regs: np.ndarray):
     return codes, poisoned
 
 
+# The smallest normal magnitude of each input type, and of the float32 accumulator.
+SMALLEST_NORMAL = {"f16": 2.0 ** -14, "bf16": 2.0 ** -126, "f32": 2.0 ** -126}
+
+
+def flushes_subnormals(layout: Layout) -> bool:
+    """gfx90a (CDNA2): AMD documents that its f16 and bf16 MFMAs flush subnormal inputs and
+    outputs to zero (ROCm MIOpen docs, "MI200 matrix fused multiply-add (MFMA) behavior
+    specifics"). No flushing is documented for the other targets: they keep subnormals."""
+    return layout.family == "cdna2"
+
+
+def flush(values: np.ndarray, kind: str) -> np.ndarray:
+    """`values` with the subnormals of type `kind` replaced by zeros of the same sign."""
+    values = np.asarray(values, np.float32)
+    tiny = np.abs(values) < np.float32(SMALLEST_NORMAL[kind])
+    return np.where(tiny, np.copysign(np.float32(0), values), values).astype(np.float32)
+
+
 def reference_mma(layout: Layout, a_regs, b_regs, c_regs) -> np.ndarray:
     """D registers of one wavefront's D = A B + C, from its A, B, C registers, by the tables.
 
@@ -264,9 +282,14 @@ def reference_mma(layout: Layout, a_regs, b_regs, c_regs) -> np.ndarray:
     a = decode(a_codes, layout.types["A"])
     b = decode(b_codes, layout.types["B"])
     acc = decode(c_codes, layout.types["C"]).copy()
+    flushing = flushes_subnormals(layout)
+    if flushing:
+        a, b, acc = flush(a, layout.types["A"]), flush(b, layout.types["B"]), flush(acc, "f32")
     with np.errstate(over="ignore", invalid="ignore"):
         for k in range(layout.K):
             acc = acc + a[:, :, k, None] * b[:, None, k, :]
+            if flushing:
+                acc = flush(acc, "f32")
     poison = a_bad.any(axis=2)[:, :, None] | b_bad.any(axis=1)[:, None, :]
     acc = np.where(poison, np.float32(np.nan), acc).astype(np.float32)
     return pack(layout, "D", acc.view(np.uint32))
