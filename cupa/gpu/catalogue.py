@@ -218,9 +218,12 @@ MATRIX_CORE_ARCHS = {"mfma": ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950"),
                      "wmma": ("gfx11", "gfx12")}  # wmma: prefixes of every RDNA3 / RDNA4 part
 MATRIX_DTYPES = ("float16", "bfloat16")
 MATRIX_HEAD_SIZES = (64, 128, 256)
-# Row tiles (16 query rows each) per workgroup: one up to 16 rows, two above (chunks of 32), one
-# at head 256, where two tiles' accumulators would take 256 of a lane's VGPRs on RDNA.
+# Row tiles (16 query rows each) per workgroup: one up to 16 rows, two above (chunks of 32),
+# except where two tiles do not fit a lane's 256 VGPRs (clang-19's code objects: head 256
+# everywhere; RDNA3 at head 128, whose replicated operands spill 104-284 bytes a lane at two
+# tiles and none at one; docs/performance.md).
 MATRIX_TILES = (1, 2)
+ONE_TILE_HEAD_SIZES = {"mfma": (256,), "gfx12": (256,), "gfx11": (128, 256)}
 
 
 def matrix_core_family(arch: str) -> str | None:
@@ -232,9 +235,10 @@ def matrix_core_family(arch: str) -> str | None:
     return None
 
 
-def matrix_tiles(rows: int, head_size: int) -> int:
-    """Row tiles of the matrix-core variant for `rows` query rows per KV head."""
-    return 1 if rows <= 16 or head_size == 256 else 2
+def matrix_tiles(rows: int, head_size: int, arch: str) -> int:
+    """Row tiles of the matrix-core variant for `rows` query rows per KV head on `arch`."""
+    family = "mfma" if matrix_core_family(arch) == "mfma" else arch[:5]
+    return 1 if rows <= 16 or head_size in ONE_TILE_HEAD_SIZES.get(family, ()) else 2
 
 
 @dataclass(frozen=True)

@@ -107,5 +107,5 @@ def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
             cache = FP8_E4M3_NATIVE
         return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
     if matrix_cores and matrix_eligible(dtype, head_size, arch):
-        return DecodeMatrixVariant(dtype, head_size, matrix_tiles(rows, head_size), cache)
+        return DecodeMatrixVariant(dtype, head_size, matrix_tiles(rows, head_size, arch), cache)
     return DecodeVariant(dtype, head_size, head_tile(rows), cache)

@@ -67,13 +67,19 @@ CUPA_FN u32 element16(const u32* words, int i) {
     return from_half_bits<T>(Elem<cupa_fp8>::half_bits((words[i / 4] >> (8 * (i % 4))) & 0xffu));
 }
 
-template <typename T, int D, int TILES>
+template <typename T, typename C, int D, int TILES>
 struct MatrixPartition {
     typedef MatrixTile<T, D> G;
     typedef typename G::Core Core;
     typedef typename G::AB AB;
     typedef typename G::Acc Acc;
     static constexpr int WAVES = CUPA_THREADS / CUPA_WARP;
+    // PV reads V in groups of chunks, each token's run of a group in one load of at least 4
+    // bytes, with 16 operand words of V per lane at a time: registers are what RDNA3's
+    // replicated operands run short of (8 VGPRs per fragment).
+    static constexpr int V_GROUP_WANTED = cmax(16 / G::REGS, 4 / (int)sizeof(C));
+    static constexpr int V_GROUP = cmin(G::CHUNKS, V_GROUP_WANTED);
+    static_assert(G::CHUNKS % V_GROUP == 0, "whole groups of chunks");
     // LDS words: the query fragments during the loop ([tile][chunk][register][lane]), then
     // the merge slots of half the wavefronts ([accumulator][lane], then max and sum by lane).
     static constexpr int Q_WORDS = TILES * G::CHUNKS * G::REGS * CUPA_WARP;
@@ -84,14 +90,14 @@ struct MatrixPartition {
 
 template <typename T, typename C, int D, int TILES>
 CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
-    typedef MatrixPartition<T, D, TILES> P;
+    typedef MatrixPartition<T, C, D, TILES> P;
     typedef typename P::G G;
     typedef typename P::AB AB;
     typedef typename P::Acc Acc;
     typedef typename P::Core Core;
     typedef typename G::L L;
     constexpr int CHUNKS = G::CHUNKS, ELEMS = G::ELEMS, REGS = G::REGS, ACC = G::ACC;
-    constexpr int WAVES = P::WAVES, V_GROUP = G::V_GROUP;
+    constexpr int WAVES = P::WAVES, V_GROUP = P::V_GROUP;
     G::check();
     static_assert(sizeof(T) == 2 && (sizeof(C) == 2 || sizeof(C) == 1), "16-bit or fp8 cache");
     __shared__ u32 lds[P::LDS_WORDS];
@@ -150,7 +156,9 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             for (int a = 0; a < ACC; ++a) s[tile].r[a] = 0.0f;
         const i64 k_row = rows.row(t0 + col);
         const C* k_run = k_row >= 0 ? key_cache + k_row + kgroup * G::K_RUN : nullptr;
-#pragma unroll
+        // Not unrolled whole: the compiler would hoist every chunk's K loads, which RDNA3's
+        // replicated operands (a whole K row a lane) cannot hold in registers.
+#pragma unroll 2
         for (int c = 0; c < CHUNKS; ++c) {
             u32 raw[ELEMS * sizeof(C) / 4];
             load_run<C, ELEMS>(k_run != nullptr ? k_run + c * ELEMS : nullptr, raw);
@@ -168,10 +176,13 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             }
         }
 
-        // The K/V rows of this lane's PV tokens (k-group g: tile tokens g * ELEMS + e).
-        i64 v_row[ELEMS];
+        // Which of this lane's PV tokens (k-group g: tile tokens g * ELEMS + e) are readable:
+        // a bit each, their rows found again when V is read (16 int64 rows would hold 32
+        // VGPRs through the softmax).
+        const int pv_t0 = t0 + kgroup * ELEMS;
+        u32 readable = 0u;
 #pragma unroll
-        for (int e = 0; e < ELEMS; ++e) v_row[e] = rows.row(t0 + kgroup * ELEMS + e);
+        for (int e = 0; e < ELEMS; ++e) readable |= (rows.row(pv_t0 + e) >= 0 ? 1u : 0u) << e;
 
         // Online softmax per row tile, then P^T as 16-bit operand.
         AB p_op[TILES];
@@ -185,8 +196,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
 #pragma unroll
             for (int a = 0; a < ACC; ++a) {
                 const int t = t0 + L::d_row(lane, a);
-                const bool seen = v_row[G::acc_element(lane, a)] >= 0 && t >= first[tile] &&
-                                  t <= pos[tile];
+                const bool seen = ((readable >> G::acc_element(lane, a)) & 1u) &&
+                                  t >= first[tile] && t <= pos[tile];
                 x[a] = seen ? x[a] + slope[tile] * (float)(t - pos[tile]) : neg_inf();
                 tile_max = max_f(tile_max, x[a]);
             }
@@ -228,9 +239,11 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         for (int c0 = 0; c0 < CHUNKS; c0 += V_GROUP) {
             u32 raw[ELEMS][V_GROUP * sizeof(C) / 4 > 0 ? V_GROUP * sizeof(C) / 4 : 1];
 #pragma unroll
-            for (int e = 0; e < ELEMS; ++e)
-                load_run<C, V_GROUP>(v_row[e] >= 0 ? value_cache + v_row[e] + col * CHUNKS + c0
-                                                   : nullptr, raw[e]);
+            for (int e = 0; e < ELEMS; ++e) {
+                const i64 row = (readable >> e) & 1u ? rows.row(pv_t0 + e) : -1;
+                load_run<C, V_GROUP>(row >= 0 ? value_cache + row + col * CHUNKS + c0 : nullptr,
+                                     raw[e]);
+            }
 #pragma unroll
             for (int c = 0; c < V_GROUP; ++c) {
                 AB v;

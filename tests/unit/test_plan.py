@@ -27,7 +27,10 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 128, 8, "sm_75", "cupa_decode_f16_d128_h8"),      # no mma.sync path below sm_80
     ("float16", 128, 8, "gfx942", "cupa_decode_xmma1_f16_d128"),  # AMD: matrix cores
     ("bfloat16", 64, 1, "gfx90a", "cupa_decode_xmma1_bf16_d64"),  # MHA: one padded tile
-    ("float16", 128, 32, "gfx1100", "cupa_decode_xmma2_f16_d128"),  # two 16-row tiles
+    ("float16", 128, 32, "gfx942", "cupa_decode_xmma2_f16_d128"),  # two 16-row tiles
+    ("float16", 128, 32, "gfx1201", "cupa_decode_xmma2_f16_d128"),
+    ("float16", 128, 32, "gfx1100", "cupa_decode_xmma1_f16_d128"),  # RDNA3: one at head 128
+    ("bfloat16", 64, 32, "gfx1100", "cupa_decode_xmma2_bf16_d64"),
     ("float16", 256, 32, "gfx1201", "cupa_decode_xmma1_f16_d256"),  # head 256: one tile
     ("float16", 128, 8, "gfx1030", "cupa_decode_f16_d128_h8"),    # RDNA2: no WMMA, portable
     ("float16", 128, 8, "gfx908", "cupa_decode_f16_d128_h8"),     # MI100: portable

@@ -65,12 +65,9 @@ struct MatrixTile {
     static constexpr int KGROUPS = L::WAVE / 16 / L::COPIES;  // lanes / 16, less the copies
     static constexpr int CHUNKS = D / 16;  // QK: k steps over d; PV: 16-row tiles of d
     static constexpr int K_RUN = D / KGROUPS;  // contiguous K / query elements of one lane
-    // PV reads V in groups of chunks, each token's run of a group in one load: at most 32
-    // operand words of V in flight per lane.
-    static constexpr int V_GROUP = CHUNKS < 32 / REGS ? CHUNKS : 32 / REGS;
     static_assert(L::WAVE == CUPA_WARP && L::BLOCKS == 1 && L::BITS == 16, "a 16-bit wave op");
     static_assert(L::M == 16 && L::N == 16 && L::K == 16, "a 16x16x16 instruction");
-    static_assert(KGROUPS * ELEMS == 16 && D % 16 == 0 && CHUNKS % V_GROUP == 0, "tile shape");
+    static_assert(KGROUPS * ELEMS == 16 && D % 16 == 0, "tile shape");
 
     CUPA_FN static int kgroup(int lane) { return lane / 16 % KGROUPS; }
 
