@@ -43,8 +43,8 @@ def resolve_backend(backend: str | None) -> str:
 def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
            max_query_len=None, scale=None, alibi_slopes=None, sliding_window=None,
            logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None, v_scale=None,
-           out=None, return_lse=False, partition_size=None, max_seq_len=None, stream=None,
-           backend=None):
+           out=None, return_lse=False, partition_size=None, max_seq_len=None,
+           total_seq_len=None, stream=None, backend=None):
     """Paged decode attention: each new query token against its sequence's cached K/V.
 
     query         [num_tokens, num_heads, head_size], float16 / bfloat16 (ml_dtypes) / float32:
@@ -84,6 +84,12 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     partition_size  tokens per phase-1 partition (default: chosen to fill the device)
     max_seq_len   optional hint of the longest seq_len, used only to choose partitions (a wrong
                   hint costs speed, never correctness)
+    total_seq_len optional hint of the sum of seq_lens, likewise only for partitions: below
+                  num_seqs x max_seq_len the batch is ragged, and the long sequences get more
+                  partitions (docs/performance.md, "Ragged batches"). Host seq_lens and
+                  block_tables give both hints by themselves. Like every option it is part of
+                  the plan cache's key, so a loop whose total changes every step should round it
+                  (as the example engine rounds max_seq_len to 256 tokens).
     stream        cupy stream to launch on (default: the current stream). As with any CUDA
                   stream, the caller orders the work that produced the inputs before it (a
                   non-blocking stream does not wait for the default stream's copies); cupa's own
@@ -101,7 +107,7 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
            alibi_slopes, sinks)
     key = _cache_key(raw, out, backend, k_scale, v_scale,
                      (scale, sliding_window, logits_soft_cap, kv_format, return_lse,
-                      partition_size, max_seq_len, max_query_len))
+                      partition_size, max_seq_len, total_seq_len, max_query_len))
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         return plan.run_matched(raw, out, stream)
@@ -113,7 +119,7 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
                          logits_soft_cap=logits_soft_cap, kv_format=kv_format, k_scale=k_scale,
                          v_scale=v_scale, out=out, return_lse=return_lse,
                          partition_size=partition_size, max_seq_len=max_seq_len,
-                         backend=backend, own_outputs=False)
+                         total_seq_len=total_seq_len, backend=backend, own_outputs=False)
     if key is not None:
         _remember(key, plan)
         return plan.run_matched(raw, out, stream)
@@ -131,7 +137,7 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
 def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
                 max_query_len=None, scale=None, alibi_slopes=None, sliding_window=None,
                 logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None, v_scale=None,
-                return_lse=False, partition_size=None, max_seq_len=None,
+                return_lse=False, partition_size=None, max_seq_len=None, total_seq_len=None,
                 backend=None) -> DecodePlan:
     """Fix a decode's kernel, grid, workspace and output buffers for repeated runs and graph
     capture; returns a `cupa.DecodePlan` whose `run(query, key_cache, value_cache, block_tables,
@@ -146,7 +152,8 @@ def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_
     Graph capture (cupy): make the plan, run it once outside the capture (this compiles the
     kernels), then capture `plan.run(...)` on a non-default stream; replaying the graph decodes
     whatever the captured arrays hold at that time. max_seq_len (a hint for partitioning)
-    should then be the longest length the graph will see.
+    should then be the longest length the graph will see, and total_seq_len, if given, a typical
+    sum of the lengths.
     """
     raw = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
            alibi_slopes, sinks)
@@ -154,7 +161,8 @@ def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_
                     scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=None,
                     return_lse=return_lse, partition_size=partition_size,
-                    max_seq_len=max_seq_len, backend=backend, own_outputs=True)
+                    max_seq_len=max_seq_len, total_seq_len=total_seq_len, backend=backend,
+                    own_outputs=True)
     return plan
 
 
@@ -205,8 +213,8 @@ def _remember(key, plan) -> None:
 
 
 def _plan(raw, *, query_start_loc, max_query_len, scale, sliding_window, logits_soft_cap,
-          kv_format, k_scale, v_scale, out, return_lse, partition_size, max_seq_len, backend,
-          own_outputs):
+          kv_format, k_scale, v_scale, out, return_lse, partition_size, max_seq_len,
+          total_seq_len, backend, own_outputs):
     """Shared front half of `decode` and `plan_decode`: arrays in -> one conversion ->
     validation -> plan. Returns (plan, converted inputs)."""
     check_arrays(raw, out)
@@ -221,10 +229,12 @@ def _plan(raw, *, query_start_loc, max_query_len, scale, sliding_window, logits_
                             kv_format=None if fmt is None else fmt.name,
                             return_lse=bool(return_lse))
     out_view = arrays.to_device(out) if out is not None and arrays.is_device_array(out) else out
-    shape, longest, most_new = check_inputs(inputs, options, host_contents(backend, raw),
-                                            out_view)
+    shape, lengths = check_inputs(inputs, options, host_contents(backend, raw), out_view)
     if max_seq_len is None:
-        max_seq_len = longest
+        max_seq_len = lengths.longest
+    if total_seq_len is None:
+        total_seq_len = lengths.total
+    most_new = lengths.most_new
     if max_query_len is not None:
         if isinstance(max_query_len, bool) or int(max_query_len) != max_query_len \
                 or not 1 <= int(max_query_len) <= MAX_QUERY_LEN:
@@ -234,7 +244,8 @@ def _plan(raw, *, query_start_loc, max_query_len, scale, sliding_window, logits_
         most_new = (default_max_query_len(shape) if max_query_len is None
                     else int(max_query_len))
     plan = DecodePlan(shape, backend, options, query_dtype=inputs.query.dtype, k_scale=k_scale,
-                      v_scale=v_scale, max_seq_len=max_seq_len, max_query_len=most_new,
+                      v_scale=v_scale, max_seq_len=max_seq_len, total_seq_len=total_seq_len,
+                      max_query_len=most_new,
                       partition_size=partition_size, own_outputs=own_outputs,
                       signature=device_signature(raw) if backend == "gpu" else None)
     return plan, inputs

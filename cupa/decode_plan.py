@@ -16,6 +16,7 @@ their memory). Unused batch slots can be given length 0.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +30,16 @@ from .problem import DecodeInputs, DecodeOptions, DecodeShape
 from .reference import paged_decode_reference
 from .selftest import first_use_guard
 from .validation import check_arrays, check_decode_args, check_table_contents, query_lens
+
+
+@dataclass(frozen=True)
+class HostLengths:
+    """What a call's host arrays say about its lengths, for the planner (None where they are on
+    the device): the longest sequence and the sum of all lengths (from host block_tables and
+    seq_lens), the most new tokens of a sequence (from a host query_start_loc)."""
+    longest: int | None = None
+    total: int | None = None
+    most_new: int | None = None
 
 
 def convert_inputs(backend: str, raw: tuple) -> DecodeInputs:
@@ -46,17 +57,17 @@ def host_contents(backend: str, raw: tuple) -> dict:
 
 
 def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host: dict,
-                 out=None) -> tuple[DecodeShape, int | None, int | None]:
-    """Validate one call. Returns (shape, longest sequence, most new tokens), the last two read
-    from host (numpy) tables when the caller passed those, else None: device contents are never
-    read back (no synchronisation)."""
+                 out=None) -> tuple[DecodeShape, HostLengths]:
+    """Validate one call. Returns the shape and the lengths read from host (numpy) tables when
+    the caller passed those (None otherwise: device contents are never read back, which would
+    synchronise)."""
     shape = check_decode_args(
         inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
         inputs.seq_lens, query_start_loc=inputs.query_start_loc, scale=options.scale,
         alibi_slopes=inputs.alibi_slopes, out=out, sliding_window=options.sliding_window,
         logits_soft_cap=options.logits_soft_cap, sinks=inputs.sinks,
         kv_format=options.kv_format)
-    longest = most_new = new_tokens = None
+    longest = total = most_new = new_tokens = None
     tables, lens, loc = (host.get(k) for k in ("block_tables", "seq_lens", "query_start_loc"))
     if loc is not None:
         new_tokens = query_lens(shape, loc)
@@ -65,7 +76,8 @@ def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host: dict,
         check_table_contents(shape, tables, lens, new_tokens)
         if shape.num_seqs:
             longest = int(np.max(lens))
-    return shape, longest, most_new
+            total = int(np.sum(lens, dtype=np.int64))
+    return shape, HostLengths(longest=longest, total=total, most_new=most_new)
 
 
 def device_signature(raw: tuple):
@@ -94,8 +106,8 @@ class DecodePlan:
     """
 
     def __init__(self, shape: DecodeShape, backend: str, options: DecodeOptions, *, query_dtype,
-                 k_scale, v_scale, max_seq_len=None, max_query_len=1, partition_size=None,
-                 own_outputs=True, signature=None):
+                 k_scale, v_scale, max_seq_len=None, total_seq_len=None, max_query_len=1,
+                 partition_size=None, own_outputs=True, signature=None):
         self.shape, self.backend, self.options = shape, backend, options
         self.fmt = check_kv_format(options.kv_format)
         self.k_scale = self.v_scale = None  # float32 [num_kv_heads] for an fp8 cache
@@ -119,6 +131,7 @@ class DecodePlan:
         info = device_info()
         self._launch_plan = make_plan(shape, info.multiprocessors, arch=info.target.arch,
                                       partition_size=partition_size, max_seq_len=max_seq_len,
+                                      total_seq_len=total_seq_len,
                                       max_query_len=self.max_query_len,
                                       residency=lambda v: resident_workgroups(v, info),
                                       trusted=first_use_guard(info))
@@ -181,9 +194,9 @@ class DecodePlan:
         inputs = convert_inputs(self.backend, raw)
         device_out = out is not None and arrays.is_device_array(out)
         out_view = arrays.to_device(out) if device_out else out
-        shape, _, most_new = check_inputs(inputs, self.options, host_contents(self.backend, raw),
-                                          out_view)
-        self._check_matches_plan(shape, most_new)
+        shape, lengths = check_inputs(inputs, self.options, host_contents(self.backend, raw),
+                                      out_view)
+        self._check_matches_plan(shape, lengths.most_new)
         if self.backend != "gpu":
             return self._finish(query, out, *self._reference(inputs))
         result = self.run_matched(inputs.as_tuple(), out_view if device_out else None, stream)

@@ -3,7 +3,8 @@
 - sliding window: a 32k context with W = 4096 against a plain 4k context (goal: close to 1);
 - multi-token decode: 4 new tokens per sequence against 1 (goal: <= 1.3x);
 - fp8 KV cache: the fp8 cache against the float16 one (goal: >= 1.8x faster when the float16 KV
-  is >= 1 GB), and FlashInfer's fp8 decode as a peer when it runs.
+  is >= 1 GB), and FlashInfer's fp8 decode as a peer when it runs;
+- ragged batches (cupa/bench/ragged.py, rows of their own in the JSON).
 Each pair is timed back to back on the same device with the same Timer as the main table.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from ..api import decode
 from ..fp8 import quantize_fp8
-from .harness import Timer, make_problem
+from .harness import Timer, kv_read_bytes, make_problem
 from .peers import flashinfer_peer, prepare_peer
 
 WINDOW = 4096
@@ -97,7 +98,7 @@ def fp8_rows(cupy, timer, rng, args):
                                        max_seq_len=seq_len) for t in timers)
         peer = None if args.no_peers else _flashinfer_fp8(cupy, timer, query, key8, value8,
                                                          tables_np, seq_len, scale, args)
-        kv_bytes = 2 * batch * seq_len * args.kv_heads * args.head_size * query.dtype.itemsize
+        kv_bytes = kv_read_bytes(batch * seq_len, args)
         rows.append(dict(feature="fp8", batch=batch, seq_len=seq_len, kv_format=FP8_FORMAT,
                          fp16_kv_bytes=kv_bytes, fp16_us=half, fp8_us=fp8,
                          flashinfer_fp8_us=peer, speedup=half / fp8, other_flush=other_flush,
@@ -119,18 +120,35 @@ def _flashinfer_fp8(cupy, timer, query, key8, value8, tables_np, seq_len, scale,
     return timer.median_us(launch) if launch is not None else None
 
 
-def feature_rows(cupy, timer, rng, args) -> list[dict]:
+FEATURE_PARTS = {"window": window_rows, "multi_token": multi_token_rows, "fp8": fp8_rows}
+# The ragged batches (cupa/bench/ragged.py) come with the features: they have rows of their own.
+RAGGED = "ragged"
+
+
+def selected_features(spec: str | None) -> list[str]:
+    """The names `--features` asks for ("all", or a comma-separated subset), checked before
+    anything is timed."""
+    if not spec:
+        return []
+    known = [*FEATURE_PARTS, RAGGED]
+    wanted = known if spec == "all" else [name.strip() for name in spec.split(",")]
+    unknown = set(wanted) - set(known)
+    if unknown:
+        raise SystemExit(f"--features: unknown {sorted(unknown)}; choose from {known}")
+    return wanted
+
+
+def feature_rows(cupy, timer, rng, args, wanted: list[str]) -> list[dict]:
+    """The rows of the features in `wanted` (selected_features), the ragged batches aside."""
+    wanted = [name for name in wanted if name in FEATURE_PARTS]
+    if not wanted:
+        return []
     print(f"features ({args.dtype}, heads {args.heads}/{args.kv_heads}, head {args.head_size}, "
           f"block {args.block_size}):")
-    parts = {"window": window_rows, "multi_token": multi_token_rows, "fp8": fp8_rows}
-    wanted = list(parts) if args.features == "all" else args.features.split(",")
-    unknown = set(wanted) - set(parts)
-    if unknown:
-        raise SystemExit(f"--features: unknown {sorted(unknown)}; choose from {list(parts)}")
     if args.dtype not in ("float16", "bfloat16") and "fp8" in wanted:
         print("  [fp8 rows skipped: fp8 caches serve float16 / bfloat16 queries]")
         wanted.remove("fp8")
     rows = []
     for name in wanted:
-        rows += parts[name](cupy, timer, rng, args)
+        rows += FEATURE_PARTS[name](cupy, timer, rng, args)
     return rows

@@ -105,18 +105,40 @@ def copy_ceiling_tbs(cupy, timer, nbytes=4 << 30):
     return 2 * nbytes / (us * 1e-6) / 1e12
 
 
+def kv_read_bytes(tokens: int, args) -> int:
+    """Bytes of K and V that decoding `tokens` cached tokens reads (every row once): the
+    numerator of every TB/s and floor figure of the bench."""
+    itemsize = np.dtype(STORAGE_DTYPES[args.dtype]).itemsize
+    return 2 * int(tokens) * args.kv_heads * args.head_size * itemsize
+
+
+def copy_floor_us(nbytes: int, ceiling_tbs: float) -> float:
+    """The floor of reading `nbytes` at the copy ceiling's bandwidth (docs/performance.md,
+    "Floors"); floor / time is the main table's "% ceiling"."""
+    return nbytes / (ceiling_tbs * 1e12) * 1e6
+
+
+def random_kv(cupy, num_blocks: int, args):
+    """Random key and value caches of `num_blocks` blocks in the bench's layout and dtype."""
+    np_dtype = STORAGE_DTYPES[args.dtype]
+    shape = (num_blocks, args.kv_heads, args.block_size, args.head_size)
+    return tuple(cupy.random.standard_normal(shape, dtype=cupy.float32).astype(np_dtype)
+                 for _ in range(2))
+
+
+def random_query(cupy, num_tokens: int, args):
+    """A random query of `num_tokens` rows (one per sequence) in the bench's heads and dtype."""
+    return cupy.random.standard_normal((num_tokens, args.heads, args.head_size),
+                                       dtype=cupy.float32).astype(STORAGE_DTYPES[args.dtype])
+
+
 def make_problem(cupy, rng, batch, seq_len, args):
     """Random query and paged KV (blocks in shuffled order) of exactly batch x seq_len tokens."""
-    np_dtype = STORAGE_DTYPES[args.dtype]
-    bs = args.block_size
-    blocks_per_seq = -(-seq_len // bs)
+    blocks_per_seq = -(-seq_len // args.block_size)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, args.kv_heads, bs, args.head_size)
-    key = cupy.random.standard_normal(shape, dtype=cupy.float32).astype(np_dtype)
-    value = cupy.random.standard_normal(shape, dtype=cupy.float32).astype(np_dtype)
+    key, value = random_kv(cupy, num_blocks, args)
     tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
-    query = cupy.random.standard_normal((batch, args.heads, args.head_size),
-                                        dtype=cupy.float32).astype(np_dtype)
+    query = random_query(cupy, batch, args)
     lens = np.full(batch, seq_len, np.int32)
     return query, key, value, cupy.asarray(tables), cupy.asarray(lens), tables
 

@@ -2,9 +2,10 @@
 
 Every figure comes from the same process, device and data: the copy ceiling (a large
 device-to-device copy, bytes read + written), cupa, torch SDPA on the same KV gathered dense, and
-FlashInfer's paged batch decode. Two columns per kernel: GPU time (L2 flushed before every timed
-launch, median of event-timed launches; the host's enqueue hidden) and eager time (back-to-back
-calls, what a user's loop sees, host included). The host cost per call of cupa's entry points is
+FlashInfer's paged batch decode; the ragged batches against FlashInfer (`cupa.bench.ragged`). Two
+columns per kernel: GPU time (L2 flushed before every timed launch, median of event-timed
+launches; the host's enqueue hidden) and eager time (back-to-back calls, what a user's loop sees,
+host included). The host cost per call of cupa's entry points is
 measured beside the bare-launch floor (`cupa.bench.host`).
 """
 
@@ -19,10 +20,11 @@ import numpy as np
 from ..arrays import cupy_module, gpu_available
 from ..api import decode
 from ..gpu.device import device_info
-from .features import feature_rows
-from .harness import Timer, copy_ceiling_tbs, eager_us, make_problem
+from .features import RAGGED, feature_rows, selected_features
+from .harness import Timer, copy_ceiling_tbs, copy_floor_us, eager_us, kv_read_bytes, make_problem
 from .host import host_costs
 from .peers import flashinfer_peer, prepare_peer, sdpa_peer
+from .ragged import RAGGED_BATCHES, ragged_rows, selected_ragged
 
 DEFAULT_SHAPES = ("1x4096", "1x32768", "8x4096", "16x16384", "32x2048", "64x4096", "128x1024",
                   "256x2048")
@@ -48,8 +50,13 @@ def add_arguments(parser):
     parser.add_argument("--features", nargs="?", const="all", default=None,
                         metavar="LIST",
                         help="also time sliding window, multi-token decode and the fp8 cache "
-                             "against their plain counterparts (cupa/bench/features.py); "
-                             "optionally a comma-separated subset of window,multi_token,fp8")
+                             "against their plain counterparts (cupa/bench/features.py), and the "
+                             "ragged batches; optionally a comma-separated subset of "
+                             "window,multi_token,fp8,ragged")
+    parser.add_argument("--ragged", nargs="?", const="all", default=None, metavar="LIST",
+                        help="time the ragged batches against FlashInfer (cupa/bench/ragged.py; "
+                             "also part of a bare --features): all, none, or a comma-separated "
+                             f"subset of {','.join(RAGGED_BATCHES)}")
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TB/s against KV size")
 
@@ -69,6 +76,8 @@ def geomean_vs_better(rows: list, column: str):
 
 
 def main(args) -> int:
+    features = selected_features(args.features)  # unknown names stop the run before timing
+    ragged = selected_ragged(args.ragged, RAGGED in features)
     if not gpu_available():
         print("cupa bench needs a GPU (cupy with a visible device); see `python -m cupa info`",
               file=sys.stderr)
@@ -93,7 +102,7 @@ def main(args) -> int:
         start = time.perf_counter()
         query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args)
         out = cupy.empty_like(query)
-        kv_bytes = 2 * batch * seq_len * args.kv_heads * args.head_size * query.dtype.itemsize
+        kv_bytes = kv_read_bytes(batch * seq_len, args)
 
         def run_cupa():
             decode(query, key, value, tables, lens, out=out, max_seq_len=seq_len,
@@ -121,7 +130,8 @@ def main(args) -> int:
         def ratio(us, ours):
             return f"{us / ours:7.2f}x" if us is not None else f"{'-':>8}"
         print(f"{batch:>5} x {seq_len:<6} {kv_bytes / 1e6:8.1f} {fmt(cupa_us)} {tbs:6.2f} "
-              f"{100 * tbs / ceiling:5.1f}% {fmt(row['sdpa_us'])} {fmt(row['flashinfer_us'])} "
+              f"{100 * copy_floor_us(kv_bytes, ceiling) / cupa_us:5.1f}% "
+              f"{fmt(row['sdpa_us'])} {fmt(row['flashinfer_us'])} "
               f"{ratio(row['sdpa_us'], cupa_us)} {ratio(row['flashinfer_us'], cupa_us)} | "
               f"eager {fmt(cupa_eager)} {fmt(row['sdpa_eager_us'])} "
               f"{fmt(row['flashinfer_eager_us'])} {ratio(better(row, 'eager_us'), cupa_eager)}",
@@ -134,6 +144,7 @@ def main(args) -> int:
         geo = geomean_vs_better(rows, column)
         if geo is not None:
             print(f"geometric mean speed-up over the better peer ({what}): {geo:.3f}x")
+    ragged_result = ragged_rows(cupy, timer, args, ceiling, ragged)
     print("host cost per call (device arrays, back to back):", file=sys.stderr)
     host = host_costs(cupy)
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items())
@@ -141,8 +152,10 @@ def main(args) -> int:
           f"plan_run {host['plan_run'] / host['launch_floor']:.2f} L)")
     result = {"copy_tbs": ceiling, "device": info.name, "flush": args.flush, "rows": rows,
               "host_us": host}
-    if args.features:
-        result["feature_rows"] = feature_rows(cupy, timer, rng, args)
+    if ragged:
+        result["ragged_rows"] = ragged_result
+    if features:
+        result["feature_rows"] = feature_rows(cupy, timer, rng, args, features)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

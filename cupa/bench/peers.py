@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
+
 def sdpa_peer(cupy, query, key, value, tables_np, seq_len, args):
     """torch SDPA on the same KV gathered into dense [B, Hkv, L, D] (gather not timed)."""
     try:
@@ -27,23 +30,39 @@ def sdpa_peer(cupy, query, key, value, tables_np, seq_len, args):
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
 
-def flashinfer_peer(cupy, query, key, value, tables_np, seq_len, args, fp8_scale=None):
-    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, HND) on the same pages; with
-    fp8_scale, the pages are e4m3 codes (uint8 viewed as torch.float8_e4m3fn) of that scale."""
+def flashinfer_page_arrays(block_tables: np.ndarray, seq_lens, block_size: int):
+    """FlashInfer's description of a paged batch from cupa's block tables and lengths (an int
+    for a uniform batch, or one per sequence): int32 numpy (indptr [B + 1], indices [pages],
+    last_page_len [B]). Sequence s owns the first ceil(len / block_size) entries of its table
+    row, in order; its last page holds the rest of its tokens (1 to block_size; 0 for an empty
+    sequence, which owns no page)."""
+    block_tables = np.asarray(block_tables)
+    lens = np.broadcast_to(np.asarray(seq_lens, dtype=np.int64), (block_tables.shape[0],))
+    pages = -(-lens // block_size)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    owned = np.arange(block_tables.shape[1])[None, :] < pages[:, None]
+    indices = block_tables[owned].astype(np.int32)  # row-major: sequence by sequence
+    last = np.where(pages > 0, lens - (pages - 1) * block_size, 0).astype(np.int32)
+    return indptr, indices, last
+
+
+def flashinfer_peer(cupy, query, key, value, tables_np, seq_lens, args, fp8_scale=None):
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, HND) on the same pages, for
+    lengths `seq_lens` (one int for all, or one per sequence, from which its plan() chooses the
+    KV split); with fp8_scale, the pages are e4m3 codes (uint8 viewed as torch.float8_e4m3fn) of
+    that scale."""
     try:
         import flashinfer
         import torch
     except Exception:
         return None
-    batch, blocks = tables_np.shape
     bs = args.block_size
     dev = torch.device("cuda", cupy.cuda.Device().id)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND",
                                                             use_tensor_cores=True)
-    indptr = torch.arange(0, batch * blocks + 1, blocks, dtype=torch.int32, device=dev)
-    indices = torch.from_dlpack(cupy.asarray(tables_np.reshape(-1)))
-    last = torch.full((batch,), seq_len - (blocks - 1) * bs, dtype=torch.int32, device=dev)
+    indptr, indices, last = (torch.from_numpy(a).to(dev)
+                             for a in flashinfer_page_arrays(tables_np, seq_lens, bs))
     q_dtype = getattr(torch, args.dtype)
     kv_dtype = q_dtype if fp8_scale is None else torch.float8_e4m3fn
     wrapper.plan(indptr, indices, last, args.heads, args.kv_heads, args.head_size, bs,

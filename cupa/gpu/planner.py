@@ -1,8 +1,9 @@
 """Planning a decode launch: row chunks, partition size and grid.
 
-The plan depends only on shapes (and an optional length hint), never on array contents, so it
-needs no device synchronisation. Partitions past a sequence's length exit at once, which is why a
-length hint only tunes speed and can never make a result wrong.
+The plan depends only on shapes (and optional length hints: the longest sequence, the total of
+all lengths), never on array contents, so it needs no device synchronisation. Partitions past a
+sequence's length exit at once, which is why a length hint only tunes speed and can never make a
+result wrong.
 """
 
 from __future__ import annotations
@@ -17,6 +18,24 @@ from . import dispatch
 # most CLUSTER_PAIR_MAX_TOKENS (measured at 2048: faster; at 16384: slower).
 CLUSTER_PAIR_DENSITY = 0.9
 CLUSTER_PAIR_MAX_TOKENS = 4096
+
+# Ragged batches (a total length below num_seqs x the longest). The grid runs the sequences in
+# order, so the partitions of a long sequence start whenever the grid reaches it, not together in
+# the first wave as in a uniform batch, and the last of them to start ends the launch up to one
+# partition late. The emptier the batch, the more splits, up to this many times the uniform
+# rule's for the same work, keep that tail short. In a model of the launch (docs/perf-log.md,
+# v17) that gave the bench's longtail64 2560-token partitions at 93% of the copy floor (the best
+# of the sweep) and mixed128 3328 at 92% (best: 95%); the uniform rule for the same work reached
+# 83% / 87%, one partition (the plan from the longest length alone) 36% / 49%.
+RAGGED_TAIL_SPLITS = 3
+# ... but never a grid of more than this many waves of workgroups: every partition past a short
+# sequence's end still launches a workgroup that loads its length and exits. With one 32768-token
+# sequence among 255 of 16 tokens the model's best split made a grid of 62 waves at 0.5 us per
+# empty workgroup (39 at 2 us; unmeasured on the device).
+RAGGED_MAX_GRID_WAVES = 64
+# Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
+# quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
+NEARLY_UNIFORM_FILL = 0.9
 
 
 @dataclass(frozen=True)
@@ -45,10 +64,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def batch_fill(num_seqs: int, longest: int, total_seq_len: int | None) -> float:
+    """How full the batch is: the total of its lengths over num_seqs x the longest, 1 for a
+    uniform batch or without a total. The total is clamped to what the batch can hold, from one
+    sequence of the longest length to every sequence that long (a sliding window caps the
+    longest, so a total past the window's reads counts as full)."""
+    if total_seq_len is None or num_seqs <= 0:
+        return 1.0
+    full = num_seqs * longest
+    return min(max(int(total_seq_len), longest), full) / full
+
+
 def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
               partition_size: int | None = None, max_seq_len: int | None = None,
-              max_query_len: int = 1, residency=None, trusted=None) -> LaunchPlan:
-    """max_query_len: the most new tokens of a sequence (1 without query_start_loc).
+              total_seq_len: int | None = None, max_query_len: int = 1, residency=None,
+              trusted=None) -> LaunchPlan:
+    """max_seq_len, total_seq_len: hints of the longest length and of the sum of all lengths
+    (None: the table's capacity, and every sequence that long).
+    max_query_len: the most new tokens of a sequence (1 without query_start_loc).
     residency: variant -> workgroups a multiprocessor holds at once, or None where unknown
     (cupa.gpu.occupancy on the GPU); it decides the wave-quantisation step, skipped without it.
     trusted: variant -> whether it may run here (cupa.selftest.first_use_guard on AMD devices);
@@ -64,19 +97,22 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
         if shape.sliding_window:  # only the window's partitions do work
             longest = min(longest, shape.sliding_window)
-        workgroups = shape.num_seqs * shape.num_kv_heads * head_chunks
+        per_seq = shape.num_kv_heads * head_chunks
+        workgroups = shape.num_seqs * per_seq
+        fill = batch_fill(shape.num_seqs, longest, total_seq_len)
         # The variant says how short a partition may be (below that the fixed cost of a
         # workgroup outweighs the parallelism) and how many workgroups a multiprocessor should
         # get: long partitions at that density beat shorter ones filling every slot (sweeps in
         # docs/perf-log.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
         # target is not worth a reduce.
         wanted = variant.workgroups_per_sm * multiprocessors
-        splits = max(1, round(wanted / max(workgroups, 1)))
+        splits = _splits(wanted, workgroups, per_seq, fill)
+        uniform = fill >= NEARLY_UNIFORM_FILL
         # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
         # two full waves; halved partitions make it three half-length waves.
         per_sm = residency(variant) if residency is not None else None
         resident = (per_sm or 0) * multiprocessors
-        if splits == 1 and resident and resident < workgroups <= 1.5 * resident:
+        if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
             splits = 2
         # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce
         # launch for short one-token launches once two give about one workgroup per
@@ -84,7 +120,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         # pairs lose bandwidth with half the workgroups (8 x 32768: 258.1 -> 266.9 us), and so
         # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us);
         # docs/perf-log.md v14.
-        if (splits > 2 and variant.rows == 8
+        if (uniform and splits > 2 and variant.rows == 8
                 and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
             pair = _round_up(-(-longest // 2), variant.min_partition)
             if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
@@ -113,3 +149,20 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
                       cluster_merge=dispatch.merges_in_cluster(variant, arch, max_partitions))
+
+
+def _splits(wanted: int, workgroups: int, per_seq: int, fill: float) -> int:
+    """Partitions of the longest sequence. The uniform rule: enough for `wanted` workgroups,
+    counting those of fill x num_seqs sequences of the longest length (the others' partitions
+    past their ends exit at once). A ragged batch (fill < 1) gets up to RAGGED_TAIL_SPLITS times
+    that, the more the emptier it is (so a nearly uniform batch plans nearly as a uniform one),
+    its longest sequence split no finer than alone (in a batch of one), into a grid of at most
+    RAGGED_MAX_GRID_WAVES waves. workgroups: the grid's per partition; per_seq: a sequence's."""
+    busy = fill * workgroups
+    tail = 1 + (RAGGED_TAIL_SPLITS - 1) * (1 - fill)
+    splits = max(1, round(tail * wanted / max(busy, 1)))
+    if fill < 1:
+        alone = round(wanted / per_seq)
+        grid_bound = RAGGED_MAX_GRID_WAVES * wanted // max(workgroups, 1)
+        splits = max(1, min(splits, alone, grid_bound))
+    return splits
