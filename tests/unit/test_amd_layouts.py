@@ -288,3 +288,37 @@ def test_reference_emulator_subnormals_by_target(name, flushed):
     assert L.flushes_subnormals(layout) == flushed
     assert d[0, 0, 0] == (0.0 if flushed else L.decode(np.uint32(tiny), kind))
     assert (d[0, 0, 0] > 0) != flushed
+
+
+@pytest.mark.parametrize("struct", ["AmdLayoutMfma16x16x16", "AmdLayoutWmmaGfx11",
+                                    "AmdLayoutWmmaGfx12"])
+def test_layout_facts_the_matrix_decode_kernel_relies_on(struct):
+    """kernels/matrix/core.cuh's facts 1-3, from the header's formulas (which the tests above
+    tie to AMD's tables): a lane holds operand row and accumulator column lane % 16; an operand
+    element's k depends on the lane only through its k-group (lane / 16, modulo the copies),
+    each (k-group, register, slot) holding one k; S^T's accumulator r is P^T's element r (in
+    place) or 2r + half-wave (RDNA3, interleaved)."""
+    consts, f = header_layouts()[struct]
+    wave, copies, regs, acc = consts["WAVE"], consts["COPIES"], consts["AB_REGS"], consts["D_REGS"]
+    kgroups, elems = wave // 16 // copies, 2 * regs
+    assert kgroups * elems == 16
+    slots = {}
+    for row in range(16):
+        for k in range(16):
+            for copy in range(copies):
+                lane = f["ab_lane"](0, row, k, copy)
+                assert lane % 16 == row
+                key = (lane // 16 % kgroups, f["ab_reg"](0, row, k, copy),
+                       f["ab_slot"](0, row, k, copy))
+                assert slots.setdefault(key, k) == k  # the same k for every row and copy
+    assert len(slots) == 16
+    for lane in range(wave):
+        for r in range(acc):
+            assert f["d_col"](lane, r) == lane % 16
+    element = {(lane, r): f["d_row"](lane, r) - lane // 16 % kgroups * elems
+               for lane in range(wave) for r in range(acc)}
+    in_place = acc == elems and all(e == r for (_lane, r), e in element.items())
+    interleaved = copies == 2 and 2 * acc == elems and all(
+        e == 2 * r + lane // 16 for (lane, r), e in element.items())
+    assert in_place != interleaved
+    assert interleaved == (struct == "AmdLayoutWmmaGfx11")
