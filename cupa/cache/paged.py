@@ -29,7 +29,7 @@ from ..problem import (MAX_QUERY_LEN, STORAGE_DTYPES, SUPPORTED_BLOCK_SIZES,
                        SUPPORTED_HEAD_SIZES)
 from ..validation import check_is_array, dtype_name
 from .blocks import OutOfBlocksError
-from .sequences import SequenceRecord, SequenceTable
+from .sequences import DecodeBatch, SequenceRecord, SequenceTable
 
 # Same-size unsigned integers: block copies move raw bits, which is exact for every dtype and
 # needs no bfloat16 support from the array library's copy kernels.
@@ -252,9 +252,9 @@ class PagedKVCache:
         not suffice.
         """
         seq_ids = _seq_id_list(seq_ids)
-        if (token_ids is None and salts is None and type(num_new_tokens) is int
-                and num_new_tokens == 1):  # a decode step: the common case, kept cheap
-            slots = self._sequences.extend_by_one(seq_ids)
+        if salts is None and type(num_new_tokens) is int and num_new_tokens == 1:
+            # A decode step: the common case, kept cheap.
+            slots = self._sequences.extend_by_one(seq_ids, token_ids)
             if slots is not None:
                 return slots
         plan = self._sequences.plan_extend(seq_ids, num_new_tokens, token_ids, salts)
@@ -327,9 +327,8 @@ class PagedKVCache:
         views of buffers reused by the next call: one host fill and one upload, no allocation
         once the buffers are large enough.
         """
-        seqs = [self._sequences.on_device(seq_id, "read the tables of")
-                for seq_id in _seq_id_list(seq_ids)]
-        return self._fill_tables(seqs, max_blocks)
+        batch = self._sequences.decode_batch(_seq_id_list(seq_ids), "read the tables of")
+        return self._publish_tables(batch, max_blocks)
 
     def decode(self, layer: int, query, seq_ids: Sequence, *, new_tokens=None,
                **decode_kwargs):
@@ -362,7 +361,8 @@ class PagedKVCache:
         query_view = arrays.host_view(query)
         if decode_kwargs.get("query_start_loc") is None or new_tokens is not None:
             self._check_query(query_view, rows, new_tokens is not None)
-        block_tables, seq_lens = self._fill_tables(seqs, None)
+        block_tables, seq_lens = self._publish_tables(
+            self._sequences.decode_batch(seq_ids, "decode"), None)
         if self._fp8:
             decode_kwargs.update(kv_format=self.kv_format, k_scale=self.k_scale,
                                  v_scale=self.v_scale)
@@ -436,24 +436,26 @@ class PagedKVCache:
 
     # --- internals: tables -----------------------------------------------------------------
 
-    def _fill_tables(self, seqs: list[SequenceRecord], max_blocks):
-        n = len(seqs)
-        longest = max((s.num_blocks for s in seqs), default=0)
-        if max_blocks is None:
-            width = max(longest, 1)
-        elif not isinstance(max_blocks, (int, np.integer)) or isinstance(max_blocks, bool):
-            raise ValueError(f"max_blocks: must be an int or None, got {max_blocks!r}")
-        elif max_blocks < max(longest, 1):
-            raise ValueError(f"max_blocks: {max_blocks} is less than the longest table "
-                             f"({longest} blocks)")
-        else:
+    def _publish_tables(self, batch: DecodeBatch, max_blocks):
+        """The batch's [seq_lens | tables] copied into the table buffers in one go (padded to
+        max_blocks columns when given) and published."""
+        n, width = len(batch.records), batch.width  # width = max(longest table, 1)
+        if max_blocks is not None:
+            if not isinstance(max_blocks, (int, np.integer)) or isinstance(max_blocks, bool):
+                raise ValueError(f"max_blocks: must be an int or None, got {max_blocks!r}")
+            if max_blocks < width:
+                longest = max((s.num_blocks for s in batch.records), default=0)
+                raise ValueError(f"max_blocks: {max_blocks} is less than the longest table "
+                                 f"({longest} blocks)")
             width = int(max_blocks)
         host = self._table_buffers.host_buffer(n + n * width)
-        host[:n] = [s.num_tokens for s in seqs]
-        table = host[n:n + n * width].reshape(n, width)
-        table.fill(-1)
-        for row, seq in zip(table, seqs):
-            row[:seq.num_blocks] = seq.table[:seq.num_blocks]
+        if width == batch.width:
+            host[:len(batch.packed)] = batch.packed
+        else:
+            host[:n] = batch.lens
+            table = host[n:n + n * width].reshape(n, width)
+            table[:, batch.width:] = -1
+            table[:, :batch.width] = batch.table
         return self._table_buffers.publish(n, width)
 
     # --- internals: block data -------------------------------------------------------------
