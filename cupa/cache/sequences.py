@@ -638,23 +638,32 @@ INT64_RANGE = (-2**63, 2**63 - 1)  # token ids are hashed as int64
 
 def one_token_each(token_ids, count: int) -> list | None:
     """The token id of each of `count` sequences when `token_ids` is a decode step's (a list or
-    tuple of `count` one-int lists, or an int array [count, 1]), as Python ints; None for
-    anything else, which the general path checks and names."""
+    tuple of `count` one-int lists or tuples, or an int array [count, 1]), as Python ints; None
+    for anything else, which the general path checks and names. Checked with whole-list
+    operations: a Python loop over the sequences would cost more than the rest of the step."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.shape != (count, 1) or token_ids.dtype.kind not in "iu":
             return None
         tokens = token_ids[:, 0].tolist()
     else:
-        if not isinstance(token_ids, (list, tuple)) or len(token_ids) != count:
+        if not isinstance(token_ids, (list, tuple)) or len(token_ids) != count \
+                or not set(map(type, token_ids)) <= _TOKEN_LIST_TYPES:
             return None
-        tokens = []
-        for ids in token_ids:
-            if type(ids) is not list or len(ids) != 1 or not _is_integer(ids[0]):
+        try:
+            tokens = [token for (token,) in token_ids]
+        except ValueError:  # a list of another length
+            return None
+        if not set(map(type, tokens)) <= _PLAIN_INT:
+            if not all(map(_is_integer, tokens)):
                 return None
-            tokens.append(int(ids[0]))
+            tokens = [int(token) for token in tokens]
     if tokens and (min(tokens) < INT64_RANGE[0] or max(tokens) > INT64_RANGE[1]):
         return None
     return tokens
+
+
+_TOKEN_LIST_TYPES = {list, tuple}
+_PLAIN_INT = {int}  # bool is a type of its own: not a token id
 
 
 def _is_integer(value) -> bool:
