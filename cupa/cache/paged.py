@@ -18,6 +18,7 @@ the cache exactly as it was.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -183,6 +184,7 @@ class PagedKVCache:
         self._host_copies: dict = {}  # seq_id -> (host keys, host values) while swapped out
         self._table_buffers = _TableBuffers(self.backend == "gpu")
         self._write_launch = None
+        self._repeat_write: _RepeatWrite | None = None  # the latest GPU write's layout
 
     # --- storage ---------------------------------------------------------------------------
 
@@ -296,6 +298,18 @@ class PagedKVCache:
         reserved token of a block owned by exactly one sequence. Device slots are not read back
         (no synchronisation); the kernel skips any past the cache.
         """
+        repeat = self._repeat_write
+        if repeat is not None and type(layer) is int and 0 <= layer < self.num_layers \
+                and repeat.layout == _write_layout(repeat.array_type, slots, key, value):
+            # cupy arrays laid out as in the previous GPU write: they pass the same checks and
+            # take the same launch; only the pointers are new (and the rows' alignment).
+            key_ptr, value_ptr = key.data.ptr, value.data.ptr
+            if not (key_ptr | value_ptr) % 16:
+                offset = layer * repeat.layer_bytes
+                repeat.launch((key_ptr, value_ptr, repeat.keys_ptr + offset,
+                               repeat.values_ptr + offset, slots.data.ptr),
+                              repeat.current_stream().ptr)
+                return
         layer = self._check_layer(layer)
         for name, x in (("slots", slots), ("key", key), ("value", value)):
             check_is_array(name, x)
@@ -485,10 +499,11 @@ class PagedKVCache:
 
     def _write_gpu(self, layer, slots, key, value, num_tokens):
         cupy = arrays.cupy_module()
-        slots = arrays.to_device(slots)
-        if slots.dtype != np.int64:
-            slots = slots.astype(np.int64)
-        key, value = _aligned_rows(arrays.to_device(key)), _aligned_rows(arrays.to_device(value))
+        device_slots = arrays.to_device(slots)
+        if device_slots.dtype != np.int64 or not device_slots.flags.c_contiguous:
+            # The kernel reads int64 slots one after another.
+            device_slots = cupy.ascontiguousarray(device_slots, dtype=np.int64)
+        rows = _aligned_rows(arrays.to_device(key)), _aligned_rows(arrays.to_device(value))
         if self._write_launch is None:  # prepared once per cache (the kernel is compiled here)
             from ..gpu.launch import CacheWriteLaunch
             self._write_launch = CacheWriteLaunch(
@@ -496,18 +511,52 @@ class PagedKVCache:
                 head_size=self.head_size, block_size=self.block_size,
                 num_blocks=self.num_blocks, storage_itemsize=self._storage_dtype.itemsize,
                 device_index=self._keys.device.id)
-        item = key.itemsize
-        strides = (key.strides[0] // item, key.strides[1] // item,
-                   value.strides[0] // item, value.strides[1] // item)
+        item = rows[0].itemsize
+        strides = (rows[0].strides[0] // item, rows[0].strides[1] // item,
+                   rows[1].strides[0] // item, rows[1].strides[1] // item)
         fp8_tail = ()
         if self._fp8:
             fp8_tail = (self._inv_scales[0].data.ptr, self._inv_scales[1].data.ptr,
                         self._fp8.kernel_id)
-        layer_offset = layer * self._keys.strides[0]  # no per-call views of the layer
-        pointers = (key.data.ptr, value.data.ptr, self._keys.data.ptr + layer_offset,
-                    self._values.data.ptr + layer_offset, slots.data.ptr)
-        self._write_launch(pointers, strides, num_tokens,
-                           cupy.cuda.get_current_stream().ptr, fp8_tail)
+        launch = self._write_launch.prepared(strides, num_tokens, fp8_tail)
+        layer_bytes = self._keys.strides[0]  # no per-call views of the layer
+        repeat = _RepeatWrite(_write_layout(cupy.ndarray, slots, key, value), cupy.ndarray,
+                              launch, self._keys.data.ptr, self._values.data.ptr, layer_bytes,
+                              cupy.cuda.get_current_stream)
+        offset = layer * layer_bytes
+        launch((rows[0].data.ptr, rows[1].data.ptr, repeat.keys_ptr + offset,
+                repeat.values_ptr + offset, device_slots.data.ptr),
+               repeat.current_stream().ptr)
+        # Kept only where the caller's own arrays were used as they are: another write of that
+        # layout then needs neither a conversion nor a copy.
+        if repeat.layout is not None and device_slots is slots and rows[0] is key \
+                and rows[1] is value:
+            self._repeat_write = repeat
+
+
+@dataclass(frozen=True)
+class _RepeatWrite:
+    """What a GPU write of one layout of arrays checked and prepared, for the next write of the
+    same layout (a decode step writes each layer's rows alike): the launch and the addresses of
+    the storage. `layout` is `_write_layout` of the arrays written."""
+
+    layout: tuple
+    array_type: type          # cupy.ndarray
+    launch: object            # cupa.gpu.driver.PreparedLaunch
+    keys_ptr: int
+    values_ptr: int
+    layer_bytes: int
+    current_stream: object    # cupy.cuda.get_current_stream
+
+
+def _write_layout(array_type, slots, key, value) -> tuple | None:
+    """Everything `write`'s checks and launch read of its arrays besides their pointers: shape,
+    strides and dtype of each; None unless all three are of `array_type` itself."""
+    if type(key) is not array_type or type(value) is not array_type \
+            or type(slots) is not array_type:
+        return None
+    return (key.shape, key.strides, key.dtype, value.shape, value.strides, value.dtype,
+            slots.shape, slots.strides, slots.dtype)
 
 
 def _aligned_rows(rows):
