@@ -131,14 +131,17 @@ def write_call(same_arrays: bool):
                     np.int64(cache.num_blocks * BLOCK_SIZE))
     cache._write_launch = writer
     device_slots = FakeDeviceArray(np.ascontiguousarray(slots))
-    qkv = np.ones((EXTEND_SEQS, 3 * KV_HEADS, HEAD_SIZE), np.float16)  # k, v: views, as a
-    rows = [FakeDeviceArray(qkv[:, KV_HEADS:2 * KV_HEADS]),           # model's split gives
-            FakeDeviceArray(qkv[:, 2 * KV_HEADS:])]
+    qkv = np.ones((EXTEND_SEQS, 3 * KV_HEADS, HEAD_SIZE), np.float16)
+
+    def key_value():  # views of one projection's output, as a model's split gives them
+        return (FakeDeviceArray(qkv[:, KV_HEADS:2 * KV_HEADS]),
+                FakeDeviceArray(qkv[:, 2 * KV_HEADS:]))
+
     if same_arrays:
+        rows = key_value()
         return lambda: cache.write(0, device_slots, *rows)
-    views = [[FakeDeviceArray(qkv[:, KV_HEADS:2 * KV_HEADS]), FakeDeviceArray(qkv[:, 2 * KV_HEADS:])]
-             for _ in range(2)]
-    return lambda: (cache.write(0, device_slots, *views[0]), cache.write(1, device_slots, *views[1]))
+    first, second = key_value(), key_value()
+    return lambda: (cache.write(0, device_slots, *first), cache.write(1, device_slots, *second))
 
 
 def main():
