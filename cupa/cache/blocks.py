@@ -60,6 +60,11 @@ class BlockAllocator:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
+    @property
+    def num_free(self) -> int:
+        """Blocks allocations take before evicting any cached block."""
+        return len(self._free)
+
     def free_blocks(self) -> list[int]:
         return list(self._free)
 
@@ -88,6 +93,17 @@ class BlockAllocator:
         self.refcount[block] = 1
         self.fill[block] = 0
         return block
+
+    def allocate_many(self, count: int) -> np.ndarray:
+        """`count` blocks (int64), the ones `allocate` would hand out called `count` times, in
+        that order; the free-list case in one pass (a decode step opens many blocks at once)."""
+        free = self._free
+        if count > len(free):
+            return np.array([self.allocate() for _ in range(count)], dtype=np.int64)
+        blocks = np.array([free.popleft() for _ in range(count)], dtype=np.int64)
+        self.refcount[blocks] = 1
+        self.fill[blocks] = 0
+        return blocks
 
     def incref(self, block: int):
         """One more user of `block`; an evictable block comes back into use."""

@@ -18,6 +18,7 @@ the cache exactly as it was.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -29,7 +30,7 @@ from ..problem import (MAX_QUERY_LEN, STORAGE_DTYPES, SUPPORTED_BLOCK_SIZES,
                        SUPPORTED_HEAD_SIZES)
 from ..validation import check_is_array, dtype_name
 from .blocks import OutOfBlocksError
-from .sequences import SequenceRecord, SequenceTable
+from .sequences import DecodeBatch, SequenceRecord, SequenceTable
 
 # Same-size unsigned integers: block copies move raw bits, which is exact for every dtype and
 # needs no bfloat16 support from the array library's copy kernels.
@@ -183,6 +184,7 @@ class PagedKVCache:
         self._host_copies: dict = {}  # seq_id -> (host keys, host values) while swapped out
         self._table_buffers = _TableBuffers(self.backend == "gpu")
         self._write_launch = None
+        self._repeat_write: _RepeatWrite | None = None  # the latest GPU write's layout
 
     # --- storage ---------------------------------------------------------------------------
 
@@ -252,9 +254,9 @@ class PagedKVCache:
         not suffice.
         """
         seq_ids = _seq_id_list(seq_ids)
-        if (token_ids is None and salts is None and type(num_new_tokens) is int
-                and num_new_tokens == 1):  # a decode step: the common case, kept cheap
-            slots = self._sequences.extend_by_one(seq_ids)
+        if salts is None and type(num_new_tokens) is int and num_new_tokens == 1:
+            # A decode step: the common case, kept cheap.
+            slots = self._sequences.extend_by_one(seq_ids, token_ids)
             if slots is not None:
                 return slots
         plan = self._sequences.plan_extend(seq_ids, num_new_tokens, token_ids, salts)
@@ -296,6 +298,18 @@ class PagedKVCache:
         reserved token of a block owned by exactly one sequence. Device slots are not read back
         (no synchronisation); the kernel skips any past the cache.
         """
+        repeat = self._repeat_write
+        if repeat is not None and type(layer) is int and 0 <= layer < self.num_layers \
+                and repeat.layout == _write_layout(repeat.array_type, slots, key, value):
+            # cupy arrays laid out as in the previous GPU write: they pass the same checks and
+            # take the same launch; only the pointers are new (and the rows' alignment).
+            key_ptr, value_ptr = key.data.ptr, value.data.ptr
+            if not (key_ptr | value_ptr) % 16:
+                offset = layer * repeat.layer_bytes
+                repeat.launch((key_ptr, value_ptr, repeat.keys_ptr + offset,
+                               repeat.values_ptr + offset, slots.data.ptr),
+                              repeat.current_stream().ptr)
+                return
         layer = self._check_layer(layer)
         for name, x in (("slots", slots), ("key", key), ("value", value)):
             check_is_array(name, x)
@@ -327,9 +341,8 @@ class PagedKVCache:
         views of buffers reused by the next call: one host fill and one upload, no allocation
         once the buffers are large enough.
         """
-        seqs = [self._sequences.on_device(seq_id, "read the tables of")
-                for seq_id in _seq_id_list(seq_ids)]
-        return self._fill_tables(seqs, max_blocks)
+        batch = self._sequences.decode_batch(_seq_id_list(seq_ids), "read the tables of")
+        return self._publish_tables(batch, max_blocks)
 
     def decode(self, layer: int, query, seq_ids: Sequence, *, new_tokens=None,
                **decode_kwargs):
@@ -362,7 +375,8 @@ class PagedKVCache:
         query_view = arrays.host_view(query)
         if decode_kwargs.get("query_start_loc") is None or new_tokens is not None:
             self._check_query(query_view, rows, new_tokens is not None)
-        block_tables, seq_lens = self._fill_tables(seqs, None)
+        block_tables, seq_lens = self._publish_tables(
+            self._sequences.decode_batch(seq_ids, "decode"), None)
         if self._fp8:
             decode_kwargs.update(kv_format=self.kv_format, k_scale=self.k_scale,
                                  v_scale=self.v_scale)
@@ -436,24 +450,26 @@ class PagedKVCache:
 
     # --- internals: tables -----------------------------------------------------------------
 
-    def _fill_tables(self, seqs: list[SequenceRecord], max_blocks):
-        n = len(seqs)
-        longest = max((s.num_blocks for s in seqs), default=0)
-        if max_blocks is None:
-            width = max(longest, 1)
-        elif not isinstance(max_blocks, (int, np.integer)) or isinstance(max_blocks, bool):
-            raise ValueError(f"max_blocks: must be an int or None, got {max_blocks!r}")
-        elif max_blocks < max(longest, 1):
-            raise ValueError(f"max_blocks: {max_blocks} is less than the longest table "
-                             f"({longest} blocks)")
-        else:
+    def _publish_tables(self, batch: DecodeBatch, max_blocks):
+        """The batch's [seq_lens | tables] copied into the table buffers in one go (padded to
+        max_blocks columns when given) and published."""
+        n, width = len(batch.records), batch.width  # width = max(longest table, 1)
+        if max_blocks is not None:
+            if not isinstance(max_blocks, (int, np.integer)) or isinstance(max_blocks, bool):
+                raise ValueError(f"max_blocks: must be an int or None, got {max_blocks!r}")
+            if max_blocks < width:
+                longest = max((s.num_blocks for s in batch.records), default=0)
+                raise ValueError(f"max_blocks: {max_blocks} is less than the longest table "
+                                 f"({longest} blocks)")
             width = int(max_blocks)
         host = self._table_buffers.host_buffer(n + n * width)
-        host[:n] = [s.num_tokens for s in seqs]
-        table = host[n:n + n * width].reshape(n, width)
-        table.fill(-1)
-        for row, seq in zip(table, seqs):
-            row[:seq.num_blocks] = seq.table[:seq.num_blocks]
+        if width == batch.width:
+            host[:len(batch.packed)] = batch.packed
+        else:
+            host[:n] = batch.lens
+            table = host[n:n + n * width].reshape(n, width)
+            table[:, batch.width:] = -1
+            table[:, :batch.width] = batch.table
         return self._table_buffers.publish(n, width)
 
     # --- internals: block data -------------------------------------------------------------
@@ -483,10 +499,11 @@ class PagedKVCache:
 
     def _write_gpu(self, layer, slots, key, value, num_tokens):
         cupy = arrays.cupy_module()
-        slots = arrays.to_device(slots)
-        if slots.dtype != np.int64:
-            slots = slots.astype(np.int64)
-        key, value = _aligned_rows(arrays.to_device(key)), _aligned_rows(arrays.to_device(value))
+        device_slots = arrays.to_device(slots)
+        if device_slots.dtype != np.int64 or not device_slots.flags.c_contiguous:
+            # The kernel reads int64 slots one after another.
+            device_slots = cupy.ascontiguousarray(device_slots, dtype=np.int64)
+        rows = _aligned_rows(arrays.to_device(key)), _aligned_rows(arrays.to_device(value))
         if self._write_launch is None:  # prepared once per cache (the kernel is compiled here)
             from ..gpu.launch import CacheWriteLaunch
             self._write_launch = CacheWriteLaunch(
@@ -494,18 +511,52 @@ class PagedKVCache:
                 head_size=self.head_size, block_size=self.block_size,
                 num_blocks=self.num_blocks, storage_itemsize=self._storage_dtype.itemsize,
                 device_index=self._keys.device.id)
-        item = key.itemsize
-        strides = (key.strides[0] // item, key.strides[1] // item,
-                   value.strides[0] // item, value.strides[1] // item)
+        item = rows[0].itemsize
+        strides = (rows[0].strides[0] // item, rows[0].strides[1] // item,
+                   rows[1].strides[0] // item, rows[1].strides[1] // item)
         fp8_tail = ()
         if self._fp8:
             fp8_tail = (self._inv_scales[0].data.ptr, self._inv_scales[1].data.ptr,
                         self._fp8.kernel_id)
-        layer_offset = layer * self._keys.strides[0]  # no per-call views of the layer
-        pointers = (key.data.ptr, value.data.ptr, self._keys.data.ptr + layer_offset,
-                    self._values.data.ptr + layer_offset, slots.data.ptr)
-        self._write_launch(pointers, strides, num_tokens,
-                           cupy.cuda.get_current_stream().ptr, fp8_tail)
+        launch = self._write_launch.prepared(strides, num_tokens, fp8_tail)
+        layer_bytes = self._keys.strides[0]  # no per-call views of the layer
+        repeat = _RepeatWrite(_write_layout(cupy.ndarray, slots, key, value), cupy.ndarray,
+                              launch, self._keys.data.ptr, self._values.data.ptr, layer_bytes,
+                              cupy.cuda.get_current_stream)
+        offset = layer * layer_bytes
+        launch((rows[0].data.ptr, rows[1].data.ptr, repeat.keys_ptr + offset,
+                repeat.values_ptr + offset, device_slots.data.ptr),
+               repeat.current_stream().ptr)
+        # Kept only where the caller's own arrays were used as they are: another write of that
+        # layout then needs neither a conversion nor a copy.
+        if repeat.layout is not None and device_slots is slots and rows[0] is key \
+                and rows[1] is value:
+            self._repeat_write = repeat
+
+
+@dataclass(frozen=True)
+class _RepeatWrite:
+    """What a GPU write of one layout of arrays checked and prepared, for the next write of the
+    same layout (a decode step writes each layer's rows alike): the launch and the addresses of
+    the storage. `layout` is `_write_layout` of the arrays written."""
+
+    layout: tuple
+    array_type: type          # cupy.ndarray
+    launch: object            # cupa.gpu.driver.PreparedLaunch
+    keys_ptr: int
+    values_ptr: int
+    layer_bytes: int
+    current_stream: object    # cupy.cuda.get_current_stream
+
+
+def _write_layout(array_type, slots, key, value) -> tuple | None:
+    """Everything `write`'s checks and launch read of its arrays besides their pointers: shape,
+    strides and dtype of each; None unless all three are of `array_type` itself."""
+    if type(key) is not array_type or type(value) is not array_type \
+            or type(slots) is not array_type:
+        return None
+    return (key.shape, key.strides, key.dtype, value.shape, value.strides, value.dtype,
+            slots.shape, slots.strides, slots.dtype)
 
 
 def _aligned_rows(rows):

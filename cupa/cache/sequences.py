@@ -67,18 +67,102 @@ class SequenceRecord:
 
     def append_blocks(self, ids):
         need = self.num_blocks + len(ids)
+        self._reserve(need)
+        self.table[self.num_blocks:need] = ids
+        self.num_blocks = need
+
+    def append_block(self, block: int):
+        """append_blocks of one block, without building a sequence for it (decode steps)."""
+        self._reserve(self.num_blocks + 1)
+        self.table[self.num_blocks] = block
+        self.num_blocks += 1
+
+    def _reserve(self, need: int):
         if need > len(self.table):  # grow geometrically: appends stay O(1) amortised
             grown = np.empty(max(need, 2 * len(self.table), 4), dtype=np.int32)
             grown[:self.num_blocks] = self.blocks
             self.table = grown
-        self.table[self.num_blocks:need] = ids
-        self.num_blocks = need
 
     def copy(self) -> "SequenceRecord":
         return SequenceRecord(table=self.blocks.copy(), num_blocks=self.num_blocks,
                               num_tokens=self.num_tokens, parent_hash=self.parent_hash,
                               pending=None if self.pending is None else list(self.pending),
                               cached_tokens=self.cached_tokens, salt=self.salt)
+
+
+class DecodeBatch:
+    """One list of sequences in the form a decode step uses, kept between calls so that the
+    step's `extend` (one token each) is a few numpy operations and `tables` one copy, not a
+    Python loop over the sequences.
+
+    It mirrors the sequences' records, which stay the truth (the one-token step updates both),
+    and is valid while the table's change counter equals `version`: any other change (extend,
+    fork, free, swap) makes the next call build a new one.
+
+    packed: int32 [seq_lens (n) | block tables (n x width), -1 padded], laid out as `tables()`
+    publishes it, width = the longest table (at least 1); `lens` and `table` are views of it.
+    last_blocks: int64 [n], each sequence's last block (-1 for none); last_starts: their first
+    slots (last_blocks x block_size). steps_in_blocks: one-token steps to come that need no new
+    block (the least room left in a last block).
+    one_token_steps: whether `SequenceTable.extend_by_one` may step these sequences (each once
+    in the list, no partial last block shared: no copy-on-write); a step keeps it true.
+    chained_rows: the rows whose prefix-hash chain is live (prefix caching, every token id
+    known so far): a step must bring their token ids. Both are set by the SequenceTable.
+    """
+
+    def __init__(self, ids: list, records: list, version: int, block_size: int):
+        n = len(records)
+        self.ids, self.records, self.version = ids, records, version
+        self.block_size = block_size
+        counts = np.array([seq.num_blocks for seq in records], dtype=np.int64)
+        self._set_packed(np.full(n + n * max(int(counts.max(initial=0)), 1), -1, np.int32), n)
+        self.lens[:] = [seq.num_tokens for seq in records]
+        if counts.any():  # row-major mask order is the order of the concatenated tables
+            self.table[np.arange(self.width) < counts[:, None]] = np.concatenate(
+                [seq.table[:seq.num_blocks] for seq in records])
+        self.last_blocks = self.table[np.arange(n), np.maximum(counts - 1, 0)].astype(np.int64)
+        self.last_starts = self.last_blocks * block_size
+        self.steps_in_blocks = self.room_left(self.lens)
+        self.one_token_steps = False
+        self.chained_rows: list = []
+
+    def room_left(self, lens: np.ndarray) -> int:
+        """The least room (in tokens) of the last blocks of sequences of lengths `lens`: 0 when
+        one is full or missing."""
+        return int((-lens % self.block_size).min(initial=self.block_size))
+
+    def add_blocks(self, rows: np.ndarray, blocks: np.ndarray):
+        """New last blocks for `rows`, whose last blocks are full, before their next token."""
+        columns = self.lens[rows] // self.block_size  # = blocks held
+        width = int(columns.max()) + 1
+        if width > self.width:
+            self._widen(width)
+        self.table[rows, columns] = blocks
+        self.last_blocks[rows] = blocks
+        self.last_starts[rows] = blocks * self.block_size
+        self.steps_in_blocks = self.room_left(self.lens + 1)  # after the coming token
+
+    def _set_packed(self, packed: np.ndarray, n: int):
+        self.packed = packed
+        self.width = (len(packed) - n) // n if n else 1
+        self.lens = packed[:n]
+        self.table = packed[n:].reshape(n, self.width)
+
+    def _widen(self, width: int):
+        n = len(self.records)
+        wider = np.full(n + n * width, -1, np.int32)
+        wider[:n] = self.lens
+        wider[n:].reshape(n, width)[:, :self.width] = self.table
+        self._set_packed(wider, n)
+
+
+def same_ids(ids: list, other: list) -> bool:
+    """Whether two id lists name the same sequences (list equality is dict-key equality for
+    hashable ids); False for ids that cannot even be compared."""
+    try:
+        return ids == other
+    except Exception:  # e.g. an array among the ids: never a valid batch
+        return False
 
 
 @dataclass
@@ -116,6 +200,7 @@ class SequenceTable:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self._seqs: dict[Hashable, SequenceRecord] = {}
         self._version = 0  # bumped by every change, so a stale ExtendPlan is caught
+        self._batch: DecodeBatch | None = None  # the id list of the latest decode step
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -216,45 +301,114 @@ class SequenceTable:
         self._version += 1
         return (np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)), copies
 
-    def extend_by_one(self, seq_ids: list) -> np.ndarray | None:
+    def extend_by_one(self, seq_ids: list, token_ids=None) -> np.ndarray | None:
         """One decode step's `extend`: one new token for each of `seq_ids`, all existing, on
         the device and with their last block their own; returns the flat slots, or None
         (nothing changed) where the step needs more than that: new or swapped sequences, a
-        shared last block (copy-on-write), prefix caching's hashes, or a pool too small
-        (`plan_extend` then raises). Done per sequence in plain Python: a numpy call per
-        sequence costs more than the bookkeeping itself (32 sequences in ~20 us)."""
-        try:
-            records = [self._seqs[seq_id] for seq_id in seq_ids]
-        except (KeyError, TypeError):  # a new (or unhashable) id: the general path says
-            return None
-        if len(set(map(id, records))) != len(records):
-            return None
-        bs, refcount = self.block_size, self.allocator.refcount
-        caching = self.enable_prefix_caching
-        need = 0
-        for seq in records:
-            if seq.swapped or (caching and seq.pending is not None):
+        shared last block (copy-on-write), token ids other than one int per sequence, live
+        prefix-hash chains without token ids (the general path ends them), or a pool too small
+        (`plan_extend` then raises).
+
+        Works on the DecodeBatch of `seq_ids`: for a list stepped before (the steady state of a
+        decode loop) that is a handful of numpy operations whatever the number of sequences;
+        only the sequences whose last block is full take a step each, to get a new block, and
+        with prefix caching those with a live hash chain append their token (and hash the
+        block it completes)."""
+        batch = self._batch
+        if batch is None or batch.version != self._version or not same_ids(seq_ids, batch.ids):
+            if not seq_ids:
                 return None
-            if seq.num_tokens % bs == 0:
-                need += 1
-            elif refcount[seq.table[seq.num_blocks - 1]] != 1:
+            try:
+                records = [self._seqs[seq_id] for seq_id in seq_ids]
+            except (KeyError, TypeError):  # a new (or unhashable) id: the general path says
                 return None
-        if need > self.allocator.num_available:
+            if any(seq.swapped for seq in records):
+                return None
+            batch = self._new_batch(list(seq_ids), records)
+        if not batch.one_token_steps:
             return None
-        fill, allocate = self.allocator.fill, self.allocator.allocate
-        slots = []
-        for seq in records:
-            offset = seq.num_tokens % bs
-            if offset == 0:
-                block = allocate()
-                seq.append_blocks((block,))
-            else:
-                block = int(seq.table[seq.num_blocks - 1])
-            fill[block] = offset + 1
-            slots.append(block * bs + offset)
+        tokens = None
+        if token_ids is not None:
+            tokens = one_token_each(token_ids, len(batch.records))
+            if tokens is None:
+                return None
+        elif batch.chained_rows:
+            return None
+        offsets = batch.lens % self.block_size
+        if batch.steps_in_blocks == 0:  # some last block is full (or missing): new blocks
+            opening = (offsets == 0).nonzero()[0]
+            if tokens is not None and batch.chained_rows \
+                    and len(opening) > self.allocator.num_free:
+                # Evicting a cached block while chains index theirs: the general path does
+                # both sequence by sequence, and which hash stays indexed depends on that order.
+                return None
+            if not self._open_blocks(batch, opening):
+                return None
+        else:
+            batch.steps_in_blocks -= 1
+        self.allocator.fill[batch.last_blocks] = offsets + 1
+        slots = batch.last_starts + offsets
+        batch.lens += 1
+        for seq in batch.records:
             seq.num_tokens += 1
+        if tokens is not None:
+            self._extend_chains(batch, tokens)
         self._version += 1
-        return np.array(slots, dtype=np.int64)
+        batch.version = self._version
+        return slots
+
+    def decode_batch(self, seq_ids: list, action: str) -> DecodeBatch:
+        """The DecodeBatch of `seq_ids` (ids may repeat), the kept one when nothing changed
+        since; KeyError / ValueError (swapped out, naming `action`) as `on_device` says."""
+        batch = self._batch
+        if batch is not None and batch.version == self._version and same_ids(seq_ids,
+                                                                             batch.ids):
+            return batch
+        records = [self.on_device(seq_id, action) for seq_id in seq_ids]
+        return self._new_batch(list(seq_ids), records)
+
+    def _new_batch(self, seq_ids: list, records: list) -> DecodeBatch:
+        """A DecodeBatch of on-device records, kept as the latest one."""
+        batch = DecodeBatch(seq_ids, records, self._version, self.block_size)
+        batch.one_token_steps = self._can_step_one_token(batch)
+        if self.enable_prefix_caching:
+            batch.chained_rows = [row for row, seq in enumerate(records)
+                                  if seq.pending is not None]
+        self._batch = batch
+        return batch
+
+    def _can_step_one_token(self, batch: DecodeBatch) -> bool:
+        """Each sequence once, and every partial last block owned by its sequence alone (else
+        copy-on-write). One-token steps keep both true: they open only blocks of their own."""
+        records = batch.records
+        if len(set(map(id, records))) != len(records):
+            return False
+        partial = batch.lens % self.block_size != 0
+        return not (self.allocator.refcount[batch.last_blocks[partial]] != 1).any()
+
+    def _extend_chains(self, batch: DecodeBatch, tokens: list):
+        """Append each live chain's new token (`_advance_hash_chain` of one token); a block it
+        completes is hashed and indexed, as the general path does."""
+        bs, records = self.block_size, batch.records
+        for row in batch.chained_rows:
+            seq = records[row]
+            seq.pending.append(tokens[row])
+            if len(seq.pending) == bs:  # `pending` starts at the block's first token
+                digest = block_hash(seq.parent_hash, seq.pending)
+                self.allocator.register(int(batch.last_blocks[row]), digest)
+                seq.parent_hash, seq.pending = digest, []
+
+    def _open_blocks(self, batch: DecodeBatch, rows: np.ndarray) -> bool:
+        """A new block for each sequence of batch `rows` (their last block is full), or False
+        (nothing changed) when the pool has too few."""
+        if len(rows) > self.allocator.num_available:
+            return False
+        blocks = self.allocator.allocate_many(len(rows))
+        batch.add_blocks(rows, blocks)
+        records = batch.records
+        for row, block in zip(rows.tolist(), blocks.tolist()):
+            records[row].append_block(block)
+        return True
 
     # --- fork, free, swap ------------------------------------------------------------------
 
@@ -477,6 +631,39 @@ class SequenceTable:
         # a shared prefix) are evicted first.
         for block in seq.blocks[::-1]:
             self.allocator.decref(int(block))
+
+
+INT64_RANGE = (-2**63, 2**63 - 1)  # token ids are hashed as int64
+
+
+def one_token_each(token_ids, count: int) -> list | None:
+    """The token id of each of `count` sequences when `token_ids` is a decode step's (a list or
+    tuple of `count` one-int lists or tuples, or an int array [count, 1]), as Python ints; None
+    for anything else, which the general path checks and names. Checked with whole-list
+    operations: a Python loop over the sequences would cost more than the rest of the step."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.shape != (count, 1) or token_ids.dtype.kind not in "iu":
+            return None
+        tokens = token_ids[:, 0].tolist()
+    else:
+        if not isinstance(token_ids, (list, tuple)) or len(token_ids) != count \
+                or not set(map(type, token_ids)) <= _TOKEN_LIST_TYPES:
+            return None
+        try:
+            tokens = [token for (token,) in token_ids]
+        except ValueError:  # a list of another length
+            return None
+        if not set(map(type, tokens)) <= _PLAIN_INT:
+            if not all(map(_is_integer, tokens)):
+                return None
+            tokens = [int(token) for token in tokens]
+    if tokens and (min(tokens) < INT64_RANGE[0] or max(tokens) > INT64_RANGE[1]):
+        return None
+    return tokens
+
+
+_TOKEN_LIST_TYPES = {list, tuple}
+_PLAIN_INT = {int}  # bool is a type of its own: not a token id
 
 
 def _is_integer(value) -> bool:

@@ -145,6 +145,11 @@ class CacheWriteLaunch:
                  fp8_tail: tuple = ()) -> None:
         """row_strides: (key token, key head, value token, value head) in elements; fp8_tail:
         the pointers of the two inverse-scale arrays and the format id (fp8 caches)."""
+        self.prepared(row_strides, num_tokens, fp8_tail)(pointers, stream_ptr)
+
+    def prepared(self, row_strides: tuple, num_tokens: int, fp8_tail: tuple = ()):
+        """The PreparedLaunch of one (token count, strides): call it with the five pointers
+        and a stream. A caller that writes arrays of one layout again may keep it."""
         key = (num_tokens, row_strides)
         launch = self._prepared.get(key)
         if launch is None:
@@ -158,4 +163,4 @@ class CacheWriteLaunch:
             launch = self._prepared[key] = PreparedLaunch(
                 self.kernel, (num_tokens, 1, 1), (self.threads, 1, 1), pointers=self.POINTERS,
                 scalars=scalars, is_hip=self.is_hip)
-        launch(pointers, stream_ptr)
+        return launch

@@ -132,6 +132,16 @@ def _declare(lib, api: BlasApi):
     return gemm
 
 
+@dataclass(frozen=True)
+class _GemmWeight:
+    array: object          # the caller's weight, kept so that its id is not reused
+    contiguous: object     # the weight itself, or its C-contiguous copy
+    dtype: np.dtype
+    data_type: int         # the BLAS library's value for dtype
+    out_features: int
+    ptr: int
+
+
 class CapturableGemm:
     """y = x @ weight.T as float32, for x [T, in] and weight [out, in] of one dtype (float16,
     bfloat16 or float32), on `stream` — also while `stream` is being captured. Subclasses set
@@ -155,36 +165,51 @@ class CapturableGemm:
             self._check(getattr(self._lib, set_workspace)(
                 self._handle, ctypes.c_void_p(self._workspace.data.ptr), _WORKSPACE_BYTES),
                 "set workspace")
-        # Host scalars (the default pointer mode): read when the call is made or recorded.
-        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._set_call_state()
         self.stream = stream
+
+    def _set_call_state(self) -> None:
+        """What calls read besides the handle: the host scalars alpha = 1 and beta = 0 (the
+        default pointer mode reads them when the call is made or recorded), the library's data
+        type values, and what is known of each weight (worked out at its first product)."""
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._one_ref, self._zero_ref = ctypes.byref(self._one), ctypes.byref(self._zero)
+        self._data_types = dict(self.api.data_types)
+        self._weights: dict = {}  # id(weight) -> _GemmWeight
 
     def _check(self, status: int, what: str) -> None:
         if status != 0:
             raise BlasError(f"{self.api.name} {what} failed with status {status}")
 
-    def __call__(self, x, weight):
+    def __call__(self, x, weight, out=None):
+        """out: a C-contiguous float32 [T, out_features] to write y into, else a new array."""
         cupy, api = self._cupy, self.api
-        dtype = np.dtype(weight.dtype).name
-        if not api.supports(dtype):
-            raise TypeError(f"{type(self).__name__}: weight dtype {dtype} is not supported")
-        x = cupy.ascontiguousarray(x.astype(weight.dtype, copy=False))
-        weight = cupy.ascontiguousarray(weight)
+        known = self._weights.get(id(weight))
+        if known is None or known.array is not weight:
+            known = self._weights[id(weight)] = self._weight(weight)
+        x = cupy.ascontiguousarray(x, dtype=known.dtype)
         rows, inner = x.shape
-        out_features = weight.shape[0]
-        y = cupy.empty((rows, out_features), dtype=np.float32)
+        y = cupy.empty((rows, known.out_features), dtype=np.float32) if out is None else out
         if rows == 0:
             return y
         # Row-major y [T, out] is column-major y^T [out, T] = W (column-major W^T, transposed)
         # times x^T (column-major [in, T]).
-        data_type = api.data_type(dtype)
         self._check(self._gemm(
-            self._handle, api.op_t, api.op_n, out_features, rows, inner,
-            ctypes.byref(self._one), ctypes.c_void_p(weight.data.ptr), data_type, inner,
-            ctypes.c_void_p(x.data.ptr), data_type, inner, ctypes.byref(self._zero),
-            ctypes.c_void_p(y.data.ptr), api.data_type("float32"), out_features,
+            self._handle, api.op_t, api.op_n, known.out_features, rows, inner, self._one_ref,
+            known.ptr, known.data_type, inner, x.data.ptr, known.data_type, inner,
+            self._zero_ref, y.data.ptr, self._data_types["float32"], known.out_features,
             api.compute_32f, api.gemm_default), "GemmEx")
         return y
+
+    def _weight(self, weight) -> "_GemmWeight":
+        """What every product with `weight` needs, worked out at its first: the weights of a
+        model are the same arrays at every step."""
+        dtype = np.dtype(weight.dtype).name
+        if not self.api.supports(dtype):
+            raise TypeError(f"{type(self).__name__}: weight dtype {dtype} is not supported")
+        contiguous = self._cupy.ascontiguousarray(weight)
+        return _GemmWeight(weight, contiguous, contiguous.dtype, self._data_types[dtype],
+                           contiguous.shape[0], contiguous.data.ptr)
 
     def check(self, dtype) -> None:
         """One small product against cupy's float32 matmul (raises BlasError if they

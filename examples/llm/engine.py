@@ -33,7 +33,7 @@ from .baseline_attention import naive_decode_attention
 from .graphs import DecodeGraphs, StepRows, bucket_for, graph_blocker, resolve_graphs
 from .model import Model
 from .sampling import SamplingParams, sample, sequence_rng
-from .step_attention import decode_query, paged_decode_formats, write_then_attend
+from .step_attention import decode_query, layer_caches, paged_decode_formats, write_then_attend
 
 from cupa import OutOfBlocksError
 
@@ -143,6 +143,8 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self._ahead: dict = {}  # seq_id -> cache slot of its next decode step, reserved ahead
+        self._layer_caches = layer_caches(cache)
+        self._step_buffers = (0, None)  # (batch size, model.step_buffers of it) of eager steps
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -287,11 +289,14 @@ class Engine:
                                    - (self.stats.capture_time - captured))
 
     def _decode_eager(self, seqs, slots) -> None:
-        xp, model = self.xp, self.model
-        slots = xp.asarray(slots)
+        xp, model, cfg = self.xp, self.model, self.model.config
         ids = [s.seq_id for s in seqs]
-        tokens = xp.asarray(np.array([s.last_token for s in seqs], dtype=np.int64))
-        positions = xp.asarray(np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64))
+        # The step's token ids, positions and cache slots: rows of one array, one upload.
+        step = np.empty((3, len(seqs)), dtype=np.int64)
+        step[0] = [s.last_token for s in seqs]
+        step[1] = [s.num_tokens - 1 for s in seqs]
+        step[2] = slots
+        tokens, positions, slots = xp.asarray(step)
         # Tables are built and uploaded once per step, then every layer's cupa.decode uses them
         # (cache.decode(layer, ...) would rebuild them per layer).
         block_tables, seq_lens = self.cache.tables(ids)
@@ -300,26 +305,35 @@ class Engine:
         # (a hint only tunes speed).
         hint = -(-max_len // PLAN_HINT_STEP) * PLAN_HINT_STEP
         kv_dtype, query_dtype, fp8 = paged_decode_formats(model, self.cache)
+        caches = self._layer_caches
 
-        cache = self.cache
         if self.attention == "naive":
             def attention(layer, q, k, v):
-                return naive_decode_attention(xp, q, cache.key_cache(layer),
-                                              cache.value_cache(layer), block_tables, seq_lens,
+                return naive_decode_attention(xp, q, *caches[layer], block_tables, seq_lens,
                                               max_len, model.scale, **fp8)
         else:
-            def attention(layer, q, k, v):
-                # The output stays in the query dtype: the output projection casts it to the
-                # weight dtype anyway (a float16 -> float32 -> float16 round trip would be
-                # exact, and two more kernels).
-                return cupa.decode(decode_query(xp, q, query_dtype), cache.key_cache(layer),
-                                   cache.value_cache(layer), block_tables, seq_lens,
-                                   scale=model.scale, max_seq_len=hint, backend=self.backend,
-                                   **fp8)
+            # One output for every layer's attention: the output projection reads it before the
+            # next layer's attention writes it (one stream on the GPU orders them). It stays in
+            # the query dtype: the output projection casts it to the weight dtype anyway (a
+            # float16 -> float32 -> float16 round trip would be exact, and two more kernels).
+            out = xp.empty((len(seqs), cfg.num_heads, cfg.head_dim), dtype=query_dtype)
 
-        attend = write_then_attend(cache, slots, kv_dtype, attention)
-        logits = model.forward(tokens, positions, attend, matmul=self._eager_matmul())
+            def attention(layer, q, k, v):
+                return cupa.decode(decode_query(xp, q, query_dtype), *caches[layer],
+                                   block_tables, seq_lens, scale=model.scale, max_seq_len=hint,
+                                   out=out, backend=self.backend, **fp8)
+
+        attend = write_then_attend(self.cache, slots, kv_dtype, attention)
+        logits = model.forward(tokens, positions, attend, matmul=self._eager_matmul(),
+                               buffers=self._buffers_for(len(seqs)))
         self._sample_and_append(seqs, logits)
+
+    def _buffers_for(self, batch: int):
+        """The model's step buffers for eager decode steps of `batch` sequences, kept for the
+        latest batch size (it changes only when sequences join or leave); None on numpy."""
+        if self._step_buffers[0] != batch:
+            self._step_buffers = (batch, self.model.step_buffers(batch))
+        return self._step_buffers[1]
 
     def _eager_matmul(self):
         """On the GPU, the graph steps' BLAS matmul for eager forwards too: one GemmEx call

@@ -47,7 +47,7 @@ import numpy as np
 import cupa
 
 from .blas import graph_gemm_type
-from .step_attention import decode_query, paged_decode_formats, write_then_attend
+from .step_attention import decode_query, layer_caches, paged_decode_formats, write_then_attend
 
 # Batch-size buckets: fine steps where batches are small (the padding would be a large share),
 # coarser ones above. Padding rows cost little: decode matmuls read the weights once whatever the
@@ -320,10 +320,11 @@ class DecodeGraphs:
     def _forward(self, inputs: StepArrays, plan):
         """The captured step: forward over the static inputs, then the greedy choice."""
         cupy, cache, query_dtype = self._cupy, self.cache, self.query_dtype
+        caches = layer_caches(cache)
 
         def attention(layer, q, k, v):
-            return plan.run(decode_query(cupy, q, query_dtype), cache.key_cache(layer),
-                            cache.value_cache(layer), inputs.block_tables, inputs.seq_lens)
+            return plan.run(decode_query(cupy, q, query_dtype), *caches[layer],
+                            inputs.block_tables, inputs.seq_lens)
 
         attend = write_then_attend(cache, inputs.slots, self.kv_dtype, attention)
         logits = self.model.forward(inputs.token_ids, inputs.positions, attend,

@@ -16,6 +16,7 @@ The array expressions below remain the numpy path and the definition of what the
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,10 +78,14 @@ class Model:
                                                dtype=np.float32)) for _ in range(2))
         pairs.append(("causal_softmax", causal_attention(xp, q, k, v, self.scale, 2),
                       causal_attention(xp, q, k, v, self.scale, 2, ops.causal_softmax)))
-        fused_qkv = ops.split_qkv(qkv, ops.rope_tables(positions, self.inv_freq), cfg.num_heads,
-                                  cfg.num_kv_heads, cfg.head_dim)
-        pairs += [(f"split_qkv ({name})", want, got) for name, want, got in
-                  zip("qkv", self.split_qkv(qkv, self.rotary(positions)), fused_qkv)]
+        bias = xp.asarray(rng.standard_normal(qkv.shape[1], dtype=np.float32))
+        fused_rope = ops.rope_tables(positions, self.inv_freq)
+        for label, add in (("", None), (" + bias", bias)):
+            fused_qkv = ops.split_qkv(qkv, fused_rope, cfg.num_heads, cfg.num_kv_heads,
+                                      cfg.head_dim, bias=add)
+            plain = qkv if add is None else qkv + add
+            pairs += [(f"split_qkv{label} ({name})", want, got) for name, want, got in
+                      zip("qkv", self.split_qkv(plain, self.rotary(positions)), fused_qkv)]
         for name, want, got in pairs:
             # float16 outputs are rounded (2^-11 relative); float32 ones may differ by fused
             # multiply-adds only.
@@ -93,16 +98,18 @@ class Model:
 
     # -- building blocks -------------------------------------------------------------------------
 
-    def linear(self, x, weight, bias=None, matmul=None):
+    def linear(self, x, weight, bias=None, matmul=None, out=None):
         """x [T, in] (float32 or the weight dtype) times weight [out, in] (+ bias) -> float32
         [T, out]. matmul(x, weight) -> float32 x @ weight.T replaces the array operator (the
-        graph-captured decode step passes cuBLAS or hipBLAS called directly, see blas.py)."""
+        graph-captured decode step passes cuBLAS or hipBLAS called directly, see blas.py);
+        `out` (float32 [T, out]) is where matmul(x, weight, out=out) writes, when given."""
         if matmul is not None:
-            y = matmul(x, weight)
+            y = matmul(x, weight) if out is None else matmul(x, weight, out=out)
         else:
             y = (x.astype(weight.dtype, copy=False) @ weight.T).astype(np.float32, copy=False)
-        if bias is not None:
-            y = y + bias.astype(np.float32, copy=False)
+        if bias is not None:  # the fused path casts each bias once, not at every call
+            y = y + (self.fused.as_float32(bias) if self.fused is not None
+                     else bias.astype(np.float32, copy=False))
         return y
 
     def rms_norm(self, x, weight):
@@ -149,11 +156,22 @@ class Model:
         return (self.apply_rotary(q, cos, sin), self.apply_rotary(k, cos, sin),
                 self.xp.ascontiguousarray(v))
 
-    def add_rms_norm(self, x, y, weight):
+    def attention_inputs(self, h, layer, rope, matmul=None, buffers=None):
+        """A layer's q, k, v (split_qkv's) from the normed hidden state h: the fused projection,
+        its bias and the rotary embedding. The fused GPU path adds the bias in split_qkv's
+        kernel instead of with launches of its own, and writes into `buffers` when given."""
+        if self.fused is None:
+            return self.split_qkv(self.linear(h, layer.qkv, layer.qkv_bias, matmul), rope)
+        cfg = self.config
+        qkv = self.linear(h, layer.qkv, matmul=matmul, out=buffers and buffers.qkv)
+        return self.fused.split_qkv(qkv, rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    bias=layer.qkv_bias, out=buffers and buffers.split)
+
+    def add_rms_norm(self, x, y, weight, out=None):
         """The residual add and the norm after it: (x + y, rms_norm(x + y)) (one pass on the
-        fused GPU path)."""
+        fused GPU path, into the arrays `out` when given)."""
         if self.fused is not None:
-            return self.fused.add_rms_norm(x, y, weight, self.config.rms_norm_eps)
+            return self.fused.add_rms_norm(x, y, weight, self.config.rms_norm_eps, out=out)
         x = x + y
         return x, self.rms_norm(x, weight)
 
@@ -162,47 +180,94 @@ class Model:
         softmax = self.fused.causal_softmax if self.fused is not None else None
         return causal_attention(self.xp, q, k, v, self.scale, num_seqs, softmax)
 
-    def silu_mul(self, gate_up):
+    def silu_mul(self, gate_up, out=None):
         """float32 [T, 2 * inter] (gate, then up) -> SiLU(gate) * up [T, inter] (float32, or
-        the matmul input dtype on the fused GPU path)."""
+        the matmul input dtype on the fused GPU path, into `out` when given)."""
         if self.fused is not None:
-            return self.fused.silu_mul(gate_up)
+            return self.fused.silu_mul(gate_up, out=out)
         inter = self.config.intermediate_size
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         return gate / (1.0 + self.xp.exp(-gate)) * up
 
     # -- the network -----------------------------------------------------------------------------
 
-    def forward(self, token_ids, positions, attend, last_rows=None, matmul=None):
+    def step_buffers(self, rows: int) -> "StepBuffers | None":
+        """The layers' output arrays for forwards of `rows` tokens (fused GPU path; None on
+        the array path, which allocates as numpy does)."""
+        if self.fused is None:
+            return None
+        cfg, xp = self.config, self.xp
+        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        out_dtype = self.fused.out_dtype
+
+        def floats(width, dtype=np.float32):
+            return xp.empty((rows, width), dtype=dtype)
+
+        return StepBuffers(rows, qkv=floats(qkv_width),
+                           split=xp.empty(rows * qkv_width, dtype=out_dtype),
+                           o=floats(cfg.hidden_size),
+                           residual=(floats(cfg.hidden_size), floats(cfg.hidden_size)),
+                           h=floats(cfg.hidden_size, out_dtype),
+                           gate_up=floats(2 * cfg.intermediate_size),
+                           act=floats(cfg.intermediate_size, out_dtype),
+                           down=floats(cfg.hidden_size))
+
+    def forward(self, token_ids, positions, attend, last_rows=None, matmul=None, buffers=None):
         """Logits (float32 [rows, vocab]) for tokens `token_ids` at `positions` (xp int arrays).
 
         attend(layer, q, k, v) gets q [T, heads, d], k and v [T, kv_heads, d] as split_qkv
         returns them (rotary applied) and returns [T, heads, d] in float32 or the model dtype
         (the output projection casts to the weight dtype either way). `last_rows` picks the rows
         whose logits are wanted (default: all), so prefill computes the LM head only for each
-        prompt's last token. matmul: see `linear`.
+        prompt's last token. matmul: see `linear`. buffers: step_buffers(T), where every layer
+        writes its outputs instead of allocating them (q, k and v are then views of one of
+        them, valid until the next layer: attend must be done with them by its return).
         """
         w = self.weights
         n = token_ids.shape[0]
+        b = buffers
+        if b is not None and b.rows != n:  # the kernels write as many rows as they are given
+            raise ValueError(f"buffers: made for {b.rows} rows, the forward has {n}")
         rope = self.rotary(positions)
         x = w.embed[token_ids].astype(np.float32)
         # Every residual add goes with the norm after it: the layer's post-attention norm, the
         # next layer's input norm, or after the last layer the final norm.
         next_norms = [layer.input_norm for layer in w.layers[1:]] + [w.norm]
         h = self.rms_norm(x, w.layers[0].input_norm if w.layers else w.norm)
+        # With buffers (`b and b.name` is None without) the residual stream alternates between
+        # two arrays, so that an add never writes the array it reads; every other buffer is
+        # read by the next operation before the next layer writes it (one stream orders them
+        # on the GPU).
         for index, (layer, next_norm) in enumerate(zip(w.layers, next_norms)):
-            qkv = self.linear(h, layer.qkv, layer.qkv_bias, matmul)
-            q, k, v = self.split_qkv(qkv, rope)
+            q, k, v = self.attention_inputs(h, layer, rope, matmul, b)
             attn = attend(index, q, k, v)
-            o = self.linear(attn.reshape(n, -1), layer.o, layer.o_bias, matmul)
-            x, h = self.add_rms_norm(x, o, layer.post_norm)
+            o = self.linear(attn.reshape(n, -1), layer.o, layer.o_bias, matmul, b and b.o)
+            x, h = self.add_rms_norm(x, o, layer.post_norm, b and (b.residual[0], b.h))
 
-            act = self.silu_mul(self.linear(h, layer.gate_up, layer.gate_up_bias, matmul))
-            down = self.linear(act, layer.down, layer.down_bias, matmul)
-            x, h = self.add_rms_norm(x, down, next_norm)
+            gate_up = self.linear(h, layer.gate_up, layer.gate_up_bias, matmul, b and b.gate_up)
+            act = self.silu_mul(gate_up, b and b.act)
+            down = self.linear(act, layer.down, layer.down_bias, matmul, b and b.down)
+            x, h = self.add_rms_norm(x, down, next_norm, b and (b.residual[1], b.h))
         if last_rows is not None:
             h = h[last_rows]
         return self.linear(h, w.lm_head, matmul=matmul)
+
+
+@dataclass
+class StepBuffers:
+    """Where the layers of a forward of `rows` tokens write their outputs (Model.step_buffers):
+    allocated once and used by every layer and by later forwards of as many rows, so that a
+    decode step allocates nothing per layer."""
+
+    rows: int
+    qkv: object        # float32 [rows, (H + 2 KV) * d]: the fused projection
+    split: object      # [rows * (H + 2 KV) * d] of FusedOps.out_dtype: q, then k and v
+    o: object          # float32 [rows, hidden]: the attention's output projection
+    residual: tuple    # two float32 [rows, hidden]: the residual stream, written in turn
+    h: object          # [rows, hidden] of out_dtype: the normed hidden state
+    gate_up: object    # float32 [rows, 2 * intermediate]
+    act: object        # [rows, intermediate] of out_dtype: SiLU(gate) * up
+    down: object       # float32 [rows, hidden]
 
 
 def causal_attention(xp, q, k, v, scale, num_seqs=1, softmax=None):

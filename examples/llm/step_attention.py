@@ -37,5 +37,13 @@ def write_then_attend(cache, slots, kv_dtype, attention):
 
 
 def decode_query(xp, q, query_dtype):
-    """q as paged decode takes it: `query_dtype` and C-contiguous (cupa checks both)."""
-    return xp.ascontiguousarray(q.astype(query_dtype, copy=False))
+    """q as paged decode takes it: `query_dtype` and C-contiguous (cupa checks both); q itself
+    when it is already (one call that copies nothing)."""
+    return xp.ascontiguousarray(q, dtype=query_dtype)
+
+
+def layer_caches(cache) -> list:
+    """(key cache, value cache) views of every layer of `cache`, made once: the storage is fixed
+    for the cache's life, and a decode step would otherwise make two views per layer."""
+    return [(cache.key_cache(layer), cache.value_cache(layer))
+            for layer in range(cache.num_layers)]

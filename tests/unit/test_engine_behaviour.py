@@ -345,6 +345,12 @@ def _column_major(pointer, dtype, rows, cols, ld):
                                            (dtype.itemsize, ld * dtype.itemsize))
 
 
+def _address(pointer) -> int:
+    """A pointer argument as ctypes converts it for a c_void_p parameter (an int or a c_void_p
+    both arrive as an address)."""
+    return pointer.value if isinstance(pointer, ctypes.c_void_p) else int(pointer)
+
+
 def reference_gemm_ex(api):
     """A host GemmEx with `api`'s enums: C = alpha op(A) op(B) + beta C, column-major, as the
     BLAS computes it (from the raw pointers GraphGemm passes)."""
@@ -357,11 +363,13 @@ def reference_gemm_ex(api):
         op = {api.op_n: False, api.op_t: True}
         a_rows, a_cols = (k, m) if op[transa] else (m, k)
         b_rows, b_cols = (n, k) if op[transb] else (k, n)
-        A = _column_major(a.value, types[a_type], a_rows, a_cols, lda).astype(np.float32)
-        B = _column_major(b.value, types[b_type], b_rows, b_cols, ldb).astype(np.float32)
+        A = _column_major(_address(a), types[a_type], a_rows, a_cols, lda).astype(np.float32)
+        B = _column_major(_address(b), types[b_type], b_rows, b_cols, ldb).astype(np.float32)
         A, B = (A.T if op[transa] else A), (B.T if op[transb] else B)
-        C = _column_major(c.value, types[c_type], m, n, ldc)
-        C[...] = alpha._obj.value * (A @ B) + beta._obj.value * C
+        C = _column_major(_address(c), types[c_type], m, n, ldc)
+        # As in BLAS, a zero beta means C is not read (it may hold anything, NaN included).
+        scaled = beta._obj.value * C if beta._obj.value else 0
+        C[...] = alpha._obj.value * (A @ B) + scaled
     return gemm
 
 
@@ -374,7 +382,7 @@ class HostArray(np.ndarray):
 
 
 HOST_CUPY = types.SimpleNamespace(
-    ascontiguousarray=lambda a: np.ascontiguousarray(a).view(HostArray),
+    ascontiguousarray=lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype).view(HostArray),
     empty=lambda shape, dtype: np.zeros(shape, dtype).view(HostArray))
 
 
@@ -385,7 +393,7 @@ def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype
     executed by a host GemmEx that reads them as the BLAS does."""
     gemm = gemm_type.__new__(gemm_type)  # without a GPU: only what __call__ reads
     gemm._cupy, gemm._handle = HOST_CUPY, ctypes.c_void_p(1)
-    gemm._one, gemm._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    gemm._set_call_state()
     gemm._gemm = FakeFunction(body=reference_gemm_ex(gemm_type.api))
     rng = np.random.default_rng(3)
     weight_dtype = np.dtype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
@@ -399,6 +407,15 @@ def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype
     assert gemm(x[:0], w).shape == (0, 40) and len(gemm._gemm.calls) == 1  # no call for 0 rows
     with pytest.raises(TypeError, match="float64"):
         gemm(x, w.astype(np.float64))
+    # The same weight again: what was worked out at its first product serves (and is right).
+    x2 = rng.standard_normal((3, 96), dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(gemm(x2, w)),
+                               x2.astype(weight_dtype).astype(np.float32)
+                               @ w.astype(np.float32).T, rtol=1e-5, atol=1e-4)
+    assert len(gemm._weights) == 1
+    out = np.full((3, 40), np.nan, np.float32).view(HostArray)
+    assert gemm(x2, w, out=out) is out
+    np.testing.assert_allclose(np.asarray(out), np.asarray(gemm(x2, w)), rtol=0, atol=0)
 
 
 class FailingGraphs:
