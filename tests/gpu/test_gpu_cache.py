@@ -105,8 +105,9 @@ def test_write_strided_rows_and_device_slots_past_cache(rng, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_copy_on_write_and_swap_on_device(rng, dtype):
     gpu, host = twin_caches(dtype, 64, 16, num_blocks=12)
+    seed = int(rng.integers(2**31))  # the same rows for both caches
     for cache in (gpu, host):
-        rng_copy = np.random.default_rng(7)
+        rng_copy = np.random.default_rng(seed)
         slots = cache.extend([0], 21)
         for layer in range(2):
             rows = random_rows(rng_copy, 21, 2, 64, dtype)

@@ -54,9 +54,38 @@ PARTITIONINGS = ((PARTITION, "reduce"), (PARTITION, "cluster"), (None, "auto"),
                  ("capacity", "auto"))
 
 
+def planned(args, options, **plan_options):
+    """plan_decode with lse, and run(...) with the plan's lse and the given `out` poisoned (NaN)
+    first: a row the kernels leave unwritten stays NaN."""
+    import cupy
+    per_call = {k: options[k] for k in ("query_start_loc", "alibi_slopes", "sinks")}
+    plan = cupa.plan_decode(*args, **options, return_lse=True, **plan_options)
+
+    def run(out=None):
+        plan.lse.fill(np.nan)
+        if out is None:
+            plan.out.fill(np.nan)
+        result, lse = plan.run(*args, **per_call, out=out)
+        assert lse is plan.lse and result is (plan.out if out is None else out)
+        cupy.cuda.get_current_stream().synchronize()
+        return result, lse
+    return plan, run
+
+
+def check_lse(lse, ref_lse, where, rtol=1e-5, atol=2e-4):
+    """lse against the reference: -inf exactly where the reference has it (rows with nothing to
+    attend to), close elsewhere; NaN (the poison) nowhere."""
+    import cupy
+    got = cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(got).any(), f"lse not written everywhere ({where})"
+    np.testing.assert_allclose(got, ref_lse, rtol=rtol, atol=atol, err_msg=f"lse ({where})")
+
+
 def run_and_check(case, dtype, **kwargs):
-    """Decode on the GPU with a NaN-poisoned output, every partitioning and merge form and
-    every kernel that applies, against the reference."""
+    """Decode on the GPU, every partitioning and merge form and every kernel that applies,
+    against the reference: once through `cupa.decode` into a NaN-poisoned `out`, once through
+    a plan with NaN-poisoned output and lse (decode's own lse would be a fresh allocation that
+    could hold an earlier run's values)."""
     import cupy
     ref_out, ref_lse = paged_decode_reference(*case.args(), **case.options())
     args, options = to_gpu(case)
@@ -65,17 +94,19 @@ def run_and_check(case, dtype, **kwargs):
         for partition_size, merge in PARTITIONINGS:
             size = capacity if partition_size == "capacity" else partition_size
             where = f"kernel={mode}, partition_size={size}, merge={merge}"
-            out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
             with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
-                result, lse = cupa.decode(*args, **options, out=out, return_lse=True,
-                                          partition_size=size, **kwargs)
-            assert result is out
-            got = cupy.asnumpy(out).astype(np.float64)
-            assert np.isfinite(got).all(), f"non-finite output ({where})"
-            err = rel_error(got, ref_out)
-            assert err <= REL_BOUND[dtype], f"rel error {err:.3g} > {REL_BOUND[dtype]} ({where})"
-            np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4,
-                                       err_msg=f"lse ({where})")
+                out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
+                result = cupa.decode(*args, **options, out=out, partition_size=size, **kwargs)
+                assert result is out
+                _, run = planned(args, options, partition_size=size, **kwargs)
+                planned_out, lse = run(cupy.full(case.query.shape, np.nan, case.query.dtype))
+            for got, how in ((out, "decode"), (planned_out, "plan")):
+                got = cupy.asnumpy(got).astype(np.float64)
+                assert np.isfinite(got).all(), f"non-finite output ({how}, {where})"
+                err = rel_error(got, ref_out)
+                assert err <= REL_BOUND[dtype], (f"rel error {err:.3g} > {REL_BOUND[dtype]} "
+                                                 f"({how}, {where})")
+            check_lse(lse, ref_lse, where)
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
@@ -102,9 +133,13 @@ def test_empty_sequences_and_lse(rng):
     case = make_case(rng, dtype="float16", head_size=64, block_size=16, group=4,
                      seq_lens=(0, 5, 0, 700))
     run_and_check(case, "float16")
-    args, _ = to_gpu(case)
-    out, lse = cupa.decode(*args, return_lse=True)
-    assert (cupy.asnumpy(out[0]) == 0).all() and (cupy.asnumpy(out[2]) == 0).all()
+    args, options = to_gpu(case)
+    out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
+    cupa.decode(*args, out=out)
+    _, run = planned(args, options)
+    planned_out, lse = run()
+    for got in (out, planned_out):
+        assert (cupy.asnumpy(got[[0, 2]]) == 0).all()
     assert np.isneginf(cupy.asnumpy(lse[[0, 2]])).all()
 
 
@@ -151,11 +186,15 @@ def test_cluster_merge_sizes(rng, switch, num_partitions):
                                           num_partitions)
     assert plan.merge == ("cluster" if clusters else "reduce")
     ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
-    for _ in range(2):  # a second run on the same plan
+    for run in range(2):  # a second run on the same plan, its outputs poisoned again
         plan.out.fill(np.nan)
+        plan.lse.fill(np.nan)
         out, lse = plan.run(*args, sinks=options["sinks"])
-        assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["bfloat16"]
-        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4)
+        assert out is plan.out and lse is plan.lse
+        got = cupy.asnumpy(out)
+        assert np.isfinite(got.astype(np.float32)).all(), f"run {run}: non-finite output"
+        assert rel_error(got, ref) <= REL_BOUND["bfloat16"], f"run {run}"
+        check_lse(lse, ref_lse, f"run {run}")
 
 
 def test_numpy_inputs_give_numpy_outputs(rng):
@@ -164,11 +203,18 @@ def test_numpy_inputs_give_numpy_outputs(rng):
     assert isinstance(out, np.ndarray) and out.dtype == np.float16
     ref, _ = paged_decode_reference(*case.args())
     assert rel_error(out, ref) <= REL_BOUND["float16"]
+    given = np.full(case.query.shape, np.nan, np.float16)  # a host `out`, poisoned
+    assert cupa.decode(*case.args(), backend="gpu", out=given) is given
+    assert np.isfinite(given).all() and rel_error(given, ref) <= REL_BOUND["float16"]
+
+
+def poisoned_out(case):
+    import cupy
+    return cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
 
 
 def test_device_tables_are_clamped_not_read_out_of_bounds(rng):
-    """Device tables are not checked on the host: lengths past capacity clamp to it, and used
-    block ids outside the cache contribute nothing, with no out-of-bounds read."""
+    """Device tables are not checked on the host: lengths past capacity clamp to it."""
     import cupy
     case = make_case(rng, dtype="float32", head_size=64, block_size=8, group=2,
                      seq_lens=(40, 24), spare_columns=0)
@@ -178,14 +224,48 @@ def test_device_tables_are_clamped_not_read_out_of_bounds(rng):
     clamped = case.seq_lens.copy()
     clamped[0] = capacity
     ref, _ = paged_decode_reference(*case.args()[:4], clamped)
-    out = cupa.decode(*args)
+    out = cupa.decode(*args, out=poisoned_out(case))
     assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["float32"]
 
+
+@pytest.mark.parametrize("bad_id", ["far_past", "num_blocks", "minus_one", "most_negative"])
+@pytest.mark.parametrize("column", [0, 16, 24])
+@pytest.mark.parametrize("dtype, head_size, group", [("float32", 64, 2), ("bfloat16", 128, 8)],
+                         ids=["f32-d64-g2", "bf16-d128-g8"])
+def test_block_ids_outside_the_cache_are_left_out(rng, dtype, head_size, group, bad_id,
+                                                   column):
+    """A used block id outside [0, num_blocks) in a device table: the kernel contract is that
+    its tokens are never read (logit -inf), so the result is the reference over the sequence's
+    other tokens (its table without that column, its length one block shorter); the other
+    sequence is untouched. Every kernel that applies, one partition and two (the block at the
+    start of the second, column 16, in the first, or the last)."""
+    import cupy
+    block_size = 8
+    case = make_case(rng, dtype=dtype, head_size=head_size, block_size=block_size,
+                     group=group, seq_lens=(300, 200), spare_columns=0)
+    num_blocks = case.key_cache.shape[0]
+    bad = {"far_past": 10**9, "num_blocks": num_blocks, "minus_one": -1,
+           "most_negative": -2**31}[bad_id]
     tables = case.block_tables.copy()
-    tables[1, 1] = 10**9  # tokens 8..15 of sequence 1 sit in a block that does not exist
+    tables[1, column] = bad  # sequence 1 has 25 full blocks: tokens 8c .. 8c + 7 go
+    args, _ = to_gpu(case)
     args[3] = cupy.asarray(tables)
-    out = cupy.asnumpy(cupa.decode(*args))
-    assert np.isfinite(out).all()
+    # Without ALiBi, window or several new tokens, positions do not enter the softmax: leaving
+    # the block out is the same as a table without that column and 8 tokens fewer.
+    kept = case.block_tables.copy()
+    kept[1] = np.concatenate([np.delete(case.block_tables[1], column), case.block_tables[1, -1:]])
+    lens = case.seq_lens - np.array([0, block_size], np.int32)
+    ref, _ = paged_decode_reference(case.query, case.key_cache, case.value_cache, kept, lens)
+    for mode in kernel_modes(case):
+        for partition_size in (None, 128):
+            with environ(CUPA_KERNEL=mode):
+                out = cupa.decode(*args, out=poisoned_out(case), partition_size=partition_size)
+            out = cupy.asnumpy(out).astype(np.float64)
+            where = f"kernel={mode}, partition_size={partition_size}"
+            assert np.isfinite(out).all(), where
+            for s in range(2):
+                err = rel_error(out[s], ref[s])
+                assert err <= REL_BOUND[dtype], f"sequence {s}: rel error {err:.3g} ({where})"
 
 
 def test_stream_and_foreign_arrays(rng):
@@ -195,15 +275,20 @@ def test_stream_and_foreign_arrays(rng):
     stream = cupy.cuda.Stream(non_blocking=True)
     # The uploads ran on the default stream, which a non-blocking stream does not wait for: their
     # DMA may still be in flight (the likely cause of a one-off failure under load).
+    given = poisoned_out(case)
     stream.wait_event(cupy.cuda.get_current_stream().record())
-    out = cupa.decode(*args, stream=stream)
+    out = cupa.decode(*args, stream=stream, out=given)
     stream.synchronize()
+    assert out is given
     ref, _ = paged_decode_reference(*case.args())
     assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["float16"]
 
     class Foreign:  # a minimal non-cupy device array, as torch or numba would expose
         def __init__(self, a):
             self.__cuda_array_interface__ = a.__cuda_array_interface__
+    given = poisoned_out(case)
+    out = cupa.decode(*(Foreign(a) for a in args), out=Foreign(given))
+    assert rel_error(cupy.asnumpy(given), ref) <= REL_BOUND["float16"]
     out = cupa.decode(*(Foreign(a) for a in args))
     assert rel_error(cupy.asnumpy(cupy.asarray(out)), ref) <= REL_BOUND["float16"]
 
@@ -212,10 +297,13 @@ def test_repeated_calls_are_deterministic(rng):
     import cupy
     case = make_case(rng, dtype="bfloat16", head_size=128, group=8, seq_lens=(3000, 1, 513))
     args, _ = to_gpu(case)
-    first = cupy.asnumpy(cupa.decode(*args, partition_size=256)).view(np.uint16)
+    ref, _ = paged_decode_reference(*case.args())
+    first = cupa.decode(*args, partition_size=256, out=poisoned_out(case))
+    assert rel_error(cupy.asnumpy(first), ref) <= REL_BOUND["bfloat16"]
+    first = cupy.asnumpy(first).view(np.uint16)
     for _ in range(3):
-        again = cupy.asnumpy(cupa.decode(*args, partition_size=256)).view(np.uint16)
-        np.testing.assert_array_equal(first, again)
+        again = cupa.decode(*args, partition_size=256, out=poisoned_out(case))
+        np.testing.assert_array_equal(first, cupy.asnumpy(again).view(np.uint16))
 
 
 def test_tensor_core_kernel_is_chosen_where_it_applies():
@@ -255,16 +343,17 @@ def test_merge_states_on_device(rng):
     import cupy
     case = make_case(rng, dtype="bfloat16", head_size=128, group=8, seq_lens=(2000,),
                      shared_blocks=False)
-    args, _ = to_gpu(case)
+    args, options = to_gpu(case)
     q, k, v, tables, lens = args
     split_blocks = 40  # 640 tokens
-    first = cupa.decode(q, k, v, tables, cupy.asarray(np.array([640], np.int32)),
-                        return_lse=True)
     rest_tables = cupy.roll(tables, -split_blocks, axis=1)
-    second = cupa.decode(q, k, v, rest_tables, cupy.asarray(np.array([1360], np.int32)),
-                         return_lse=True)
-    out, lse = cupa.merge_states(*first, *second)
+    halves = []
+    for part_tables, length in ((tables, 640), (rest_tables, 1360)):
+        part = [q, k, v, part_tables, cupy.asarray(np.array([length], np.int32))]
+        _, run = planned(part, options)  # outputs and lse poisoned before the run
+        halves.append([x.copy() for x in run()])
+    out, lse = cupa.merge_states(*halves[0], *halves[1])
     assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
     ref, ref_lse = paged_decode_reference(*case.args())
     assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["bfloat16"]
-    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-5, atol=2e-4)
+    check_lse(lse, ref_lse, "merged")

@@ -190,7 +190,7 @@ def test_gpu_graph_steps_match_eager_and_reference(models):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_gpu_graph_gemm_matches_cupy(dtype):
+def test_gpu_graph_gemm_matches_cupy(dtype, rng):
     import cupy
     from llm.blas import graph_gemm_type
     from llm.runtime import DTYPES, _gpu_handles
@@ -199,7 +199,6 @@ def test_gpu_graph_gemm_matches_cupy(dtype):
     stream = cupy.cuda.Stream(non_blocking=True)
     gemm = graph_gemm_type()(stream)  # cuBLAS on CUDA, hipBLAS on ROCm
     gemm.check(DTYPES[dtype])
-    rng = np.random.default_rng(1)
     with stream:  # the inputs are made on the stream the product runs on
         x = cupy.asarray(rng.standard_normal((7, 256), dtype=np.float32))  # cast by the call
         w = cupy.asarray(rng.standard_normal((320, 256), dtype=np.float32)).astype(DTYPES[dtype])

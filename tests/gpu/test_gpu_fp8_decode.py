@@ -1,7 +1,10 @@
 """Decode from an fp8 cache on the GPU against the float64 reference on the dequantised cache.
 
 Both formats, per-tensor and per-head scales, every head size, block size and GQA ratio of the
-core matrix. Skips without a GPU; runs unchanged on CUDA and ROCm.
+core matrix. Every slot that holds no token has the format's largest code (cases.poison_fp8: NaN
+codes would be read as numbers by the software widening), so that one slot read too many breaks
+the bound (tests/unit/test_poisoned_cases.py). Skips without a GPU; runs unchanged on CUDA and
+ROCm.
 """
 
 from __future__ import annotations
@@ -13,40 +16,23 @@ import cupa
 from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
-from cases import environ, make_case, rel_error
-from test_gpu_decode import PARTITION, kernel_modes
+from cases import FP8_REL_BOUND, environ, make_case, poison_fp8, quantized_case, rel_error
+from test_gpu_decode import PARTITION, check_lse, kernel_modes, planned
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz")
-FP8_REL_BOUND = 1e-2  # the issue's bound, against the reference on the dequantised cache
-
-
-def quantized(case, fmt, rng, per_head):
-    """The case's cache as fp8 codes with random scales (N(0, 1) data, so scales of 1/60 to
-    1/30 use the codes' range without saturating: e4m3fnuz's largest is 240), and the
-    dequantised cache the reference sees."""
-    num_kv_heads = case.key_cache.shape[1]
-    size = num_kv_heads if per_head else ()
-    k_scale = np.asarray(rng.uniform(1 / 60, 1 / 30, size), dtype=np.float32)
-    v_scale = np.asarray(rng.uniform(1 / 60, 1 / 30, size), dtype=np.float32)
-    shaped = (lambda s: s.reshape(1, -1, 1, 1)) if per_head else (lambda s: s)
-    codes, dequantized = [], []
-    for cache, scale in ((case.key_cache, k_scale), (case.value_cache, v_scale)):
-        c = cupa.quantize_fp8(cache.astype(np.float32), fmt, shaped(scale))
-        codes.append(c)
-        dequantized.append(cupa.dequantize_fp8(c, fmt, shaped(scale)))
-    scales = (k_scale, v_scale) if per_head else (float(k_scale), float(v_scale))
-    return codes, dequantized, scales
 
 
 def check_fp8(case, fmt, rng, per_head=True):
-    check_fp8_codes(case, fmt, *quantized(case, fmt, rng, per_head))
+    check_fp8_codes(case, fmt, *quantized_case(case, fmt, rng, per_head))
 
 
 def check_fp8_codes(case, fmt, codes, dequantized, scales):
-    """Every kernel and merge form on the case's query with caches of fp8 `codes`, against the
-    reference on their `dequantized` values."""
+    """Every kernel and merge form on the case's query with caches of fp8 `codes` (poisoned by
+    cases.poison_fp8 where no token is), against the reference on their `dequantized` values:
+    through `cupa.decode` into a NaN-poisoned `out`, and through a plan whose output and lse are
+    NaN-poisoned before the run."""
     import cupy
     (k8, v8), (k_ref, v_ref), (k_scale, v_scale) = codes, dequantized, scales
     q, _, _, tables, lens = case.args()
@@ -54,21 +40,23 @@ def check_fp8_codes(case, fmt, codes, dequantized, scales):
     ref, ref_lse = paged_decode_reference(q, k_ref, v_ref, tables, lens, **options)
     args = [cupy.asarray(x) for x in (q, k8, v8, tables, lens)]
     device_options = case.options(cupy.asarray)
+    fp8 = dict(kv_format=fmt, k_scale=k_scale, v_scale=v_scale)
     for mode in kernel_modes(case):
         for partition_size, merge in ((PARTITION, "reduce"), (PARTITION, "cluster"),
                                       (None, "auto")):
-            out = cupy.full(q.shape, np.nan, dtype=q.dtype)
-            with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
-                _, lse = cupa.decode(*args, **device_options, kv_format=fmt, k_scale=k_scale,
-                                     v_scale=v_scale, out=out, return_lse=True,
-                                     partition_size=partition_size)
-            got = cupy.asnumpy(out).astype(np.float64)
             where = f"kernel={mode}, partition_size={partition_size}, merge={merge}, {fmt}"
-            assert np.isfinite(got).all(), f"non-finite output ({where})"
-            err = rel_error(got, ref)
-            assert err <= FP8_REL_BOUND, f"rel error {err:.3g} ({where})"
-            np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=1e-3,
-                                       err_msg=f"lse ({where})")
+            with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
+                out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+                assert cupa.decode(*args, **device_options, **fp8, out=out,
+                                   partition_size=partition_size) is out
+                _, run = planned(args, device_options, **fp8, partition_size=partition_size)
+                planned_out, lse = run(cupy.full(q.shape, np.nan, dtype=q.dtype))
+            for got, how in ((out, "decode"), (planned_out, "plan")):
+                got = cupy.asnumpy(got).astype(np.float64)
+                assert np.isfinite(got).all(), f"non-finite output ({how}, {where})"
+                err = rel_error(got, ref)
+                assert err <= FP8_REL_BOUND, f"rel error {err:.3g} ({how}, {where})"
+            check_lse(lse, ref_lse, where, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -93,7 +81,8 @@ def test_fp8_every_finite_code(rng, fmt, head_size):
     nan_codes = {"fp8_e4m3": (0x7f, 0xff), "fp8_e4m3fnuz": (0x80,)}[fmt]
     finite = np.array([c for c in range(256) if c not in nan_codes], dtype=np.uint8)
     scales = (1 / 256, 1 / 64)  # logits of a few units, values up to 7
-    codes = [rng.choice(finite, size=c.shape) for c in (case.key_cache, case.value_cache)]
+    codes = poison_fp8(case, *(rng.choice(finite, size=c.shape)
+                               for c in (case.key_cache, case.value_cache)), fmt)
     dequantized = [cupa.dequantize_fp8(c, fmt, s) for c, s in zip(codes, scales)]
     check_fp8_codes(case, fmt, codes, dequantized, scales)
 

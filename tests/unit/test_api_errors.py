@@ -16,12 +16,13 @@ from cases import make_case
 SEQ_LENS = (5, 40)
 
 
-@pytest.fixture(scope="module")
-def case():
+@pytest.fixture
+def case(rng):
     """float16, head_size 64, block_size 16, 2 KV heads, 4 query heads, two sequences (5 and
-    40 tokens) in a 5-block cache; table columns past each sequence's blocks hold garbage."""
-    return make_case(np.random.default_rng(20240611), dtype="float16", head_size=64,
-                     block_size=16, num_kv_heads=2, group=2, seq_lens=SEQ_LENS)
+    40 tokens) in a 5-block cache; table columns past each sequence's blocks hold a poisoned
+    block, then garbage."""
+    return make_case(rng, dtype="float16", head_size=64, block_size=16, num_kv_heads=2,
+                     group=2, seq_lens=SEQ_LENS, num_blocks=5)
 
 
 ARRAYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
@@ -346,9 +347,8 @@ def test_run_errors(case, name, call, error, start):
     check(lambda: call(case, plan), error, start)
 
 
-def test_run_more_new_tokens_than_planned():
+def test_run_more_new_tokens_than_planned(rng):
     """A plan made with at most 2 new tokens per sequence refuses a run with 4."""
-    rng = np.random.default_rng(7)
     case = make_case(rng, dtype="float16", head_size=64, block_size=16, num_kv_heads=2,
                      group=2, seq_lens=(20, 20, 20), new_tokens=2)
     plan = cupa.plan_decode(*case.args(), query_start_loc=case.query_start_loc,

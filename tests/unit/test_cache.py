@@ -506,11 +506,10 @@ def test_constructor_checks():
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_one_token_steps_match_the_general_extend(prefix_caching):
+def test_one_token_steps_match_the_general_extend(prefix_caching, rng):
     """extend(ids, 1) takes a fast path for decode steps; the same steps given as a list of
     counts (the general path) leave identical slots, tables and free blocks, across block
     boundaries, forks (a shared last block), new ids and a pool that runs out."""
-    rng = np.random.default_rng(11)
     caches = [cupa.PagedKVCache(1, 40, 8, 2, 64, "float16", backend="numpy",
                                 enable_prefix_caching=prefix_caching) for _ in range(2)]
     for cache in caches:

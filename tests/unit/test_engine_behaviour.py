@@ -90,8 +90,7 @@ def test_default_cache_decodes_two_prompts_in_one_batch(tiny):
 
 
 @pytest.mark.parametrize("case", range(6))
-def test_default_cache_admits_every_prompt_at_the_first_step(tiny, case):
-    rng = np.random.default_rng(100 + case)
+def test_default_cache_admits_every_prompt_at_the_first_step(tiny, case, rng):
     block_size = int(rng.choice([8, 16, 32]))
     count = int(rng.integers(2, 7))
     prompts = [[1] + rng.integers(3, 300, size=int(rng.integers(0, 30))).tolist()
@@ -388,14 +387,13 @@ HOST_CUPY = types.SimpleNamespace(
 
 @pytest.mark.parametrize("gemm_type", [GraphGemm, HipblasGraphGemm])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype):
+def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype, rng):
     """The GemmEx arguments (operations, sizes, leading dimensions, types) of both libraries,
     executed by a host GemmEx that reads them as the BLAS does."""
     gemm = gemm_type.__new__(gemm_type)  # without a GPU: only what __call__ reads
     gemm._cupy, gemm._handle = HOST_CUPY, ctypes.c_void_p(1)
     gemm._set_call_state()
     gemm._gemm = FakeFunction(body=reference_gemm_ex(gemm_type.api))
-    rng = np.random.default_rng(3)
     weight_dtype = np.dtype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
     x = rng.standard_normal((5, 96), dtype=np.float32)
     w = rng.standard_normal((40, 96), dtype=np.float32).astype(weight_dtype)

@@ -329,8 +329,7 @@ def test_top_k_one_is_greedy(models, expected):
     assert [s.output_ids for s in seqs] == expected["llama"]
 
 
-def test_top_p_and_top_k_filters():
-    rng = np.random.default_rng(0)
+def test_top_p_and_top_k_filters(rng):
     logits = np.log(np.array([0.6, 0.25, 0.1, 0.05]))
     top_p = SamplingParams(temperature=1.0, top_p=0.5)
     assert {sample(logits, top_p, rng) for _ in range(200)} == {0}
@@ -556,9 +555,8 @@ def test_prefill_groups_batch_consecutive_equal_lengths():
     assert prefill_groups([], num_heads=8) == []
 
 
-def test_batched_causal_attention_equals_one_sequence_at_a_time():
+def test_batched_causal_attention_equals_one_sequence_at_a_time(rng):
     from llm.model import causal_attention
-    rng = np.random.default_rng(0)
     length, heads, kv_heads, dim = 6, 4, 2, 8
     q = rng.standard_normal((3 * length, heads, dim), dtype=np.float32)
     k, v = (rng.standard_normal((3 * length, kv_heads, dim), dtype=np.float32) for _ in range(2))
