@@ -568,6 +568,31 @@ def _compile_clang_hip(source: str, name: str, target: Target) -> int:
         return os.path.getsize(out)
 
 
+def assembly_for(variant, arch: str) -> str:
+    """The AMDGPU assembly of one variant's module for gfx target `arch`: the same source and
+    clang command as the offline compile (hip_command), stopped after code generation (-S)
+    instead of linking a code object. For reading instruction counts (tools/amd_isa_counts.py);
+    the device libraries are linked in as bitcode before code generation, so what they
+    contribute is in the text."""
+    target = Target(arch)
+    if not target.is_hip:
+        raise ValueError(f"assembly_for: {arch} is no AMD gfx target")
+    tools = hip_toolchain(arch)
+    name = variant.entry_names[0]
+    with tempfile.TemporaryDirectory(prefix="cupa-hip-asm-") as tmp:
+        src = os.path.join(tmp, f"{name}.hip")
+        out = os.path.join(tmp, f"{name}.s")
+        with open(src, "w") as f:
+            f.write(catalogue.module_source(variant))
+        command = hip_command(tools, target, src, out)
+        command.insert(command.index(src), "-S")
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"clang -S failed for {name} on {arch}:\n{result.stderr}")
+        with open(out) as f:
+            return f.read()
+
+
 def nvrtc_options(target: Target) -> list[str]:
     return [*target.runtime_options(), *CUPY_NVRTC_OPTIONS, f"--gpu-architecture={target.arch}"]
 

@@ -1,0 +1,146 @@
+"""tools/amd_isa_counts.py: the counting rule on a hand-written loop (no compiler needed), and
+structural facts of the decode kernels' main loops in real gfx942 assembly (clang -S through
+cupa.gpu.offline.assembly_for). Without clang-19 the latter skip; in CI (CI set) they fail."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
+
+ROOT = Path(__file__).resolve().parents[2]
+IN_CI = bool(os.environ.get("CI"))
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("amd_isa_counts",
+                                                  ROOT / "tools" / "amd_isa_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+A = load_tool()
+
+
+def need(missing):
+    if missing:
+        (pytest.fail if IN_CI else pytest.skip)(f"offline compiler missing: {missing}")
+
+
+# A loop as clang prints it: header BB0_1, a divergent `if` (execz), a uniform branch around a
+# soft-cap division, a uniform branch around more vector work, an inner loop of 3 trips.
+TOY = """\
+toy:
+\ts_mov_b32 s0, 0
+.LBB0_1:                                ; =>This Loop Header: Depth=1
+                                        ;     Child Loop BB0_6 Depth 2
+\tglobal_load_dwordx4 v[0:3], v[4:5], off
+\ts_and_saveexec_b64 s[2:3], vcc
+\ts_cbranch_execz .LBB0_3
+; %bb.2:                                ;   in Loop: Header=BB0_1 Depth=1
+\tv_mfma_f32_16x16x16_f16 a[0:3], v[0:1], v[2:3], a[0:3]
+.LBB0_3:                                ;   in Loop: Header=BB0_1 Depth=1
+\ts_or_b64 exec, exec, s[2:3]
+\ts_cbranch_vccnz .LBB0_5
+; %bb.4:                                ;   in Loop: Header=BB0_1 Depth=1
+\tv_div_scale_f32 v6, s[4:5], v7, v7, v8
+\tv_exp_f32_e32 v6, v6
+.LBB0_5:                                ;   in Loop: Header=BB0_1 Depth=1
+\ts_cbranch_scc1 .LBB0_7
+; %bb.5a:                               ;   in Loop: Header=BB0_1 Depth=1
+\tv_add_f32_e32 v9, v9, v9
+\tv_add_f32_e32 v9, v9, v9
+.LBB0_7:                                ;   in Loop: Header=BB0_1 Depth=1
+\tds_read_b128 v[0:3], v4
+\ts_waitcnt vmcnt(0) lgkmcnt(0)
+.LBB0_6:                                ;   Parent Loop BB0_1 Depth=1
+                                        ; =>  This Inner Loop Header: Depth=2
+\tv_fmac_f32_e32 v10, v11, v12
+\ts_add_u32 s0, s0, 1
+\ts_cbranch_scc0 .LBB0_6
+; %bb.8:                                ;   in Loop: Header=BB0_1 Depth=1
+\ts_cmp_lt_i32 s0, s1
+\ts_cbranch_scc1 .LBB0_1
+; %bb.9:
+\ts_endpgm
+.Lfunc_end0:
+"""
+
+
+def test_counting_rule_on_a_toy_loop():
+    nest = A.LoopNest(A.parse_blocks(A.function_lines(TOY.replace("%bb.5a", "%bb.10"), "toy")))
+    assert nest.main_loop() == "BB0_1"
+    assert nest.children("BB0_1") == ["BB0_6"]
+    path = []
+    counts = A.iteration(nest, "BB0_1", {"BB0_6": 3}, 64, path)
+    nodes = [n for n, _ in path]
+    assert "BB0_2" in nodes          # execz: the masked code runs
+    assert "BB0_4" not in nodes      # the soft-cap division is off the path
+    assert "BB0_10" in nodes         # the uniform side with more vector work is taken
+    assert counts["mfma"] == 1 and counts["trans"] == 0
+    assert counts["valu"] == 2 + 3   # two adds, and the inner loop's fmac three times
+    assert counts["salu"] == 1 + 1 + 3 + 1  # saveexec, s_or_b64, s_add_u32 x 3, s_cmp_lt_i32
+    assert counts["vmem_load"] == 1 and counts["vmem_load_bytes"] == 16 * 64
+    assert counts["lds"] == 1 and counts["lds_bytes"] == 16 * 64
+    assert counts["vmcnt_waits"] == 1
+
+
+def test_rates_match_the_matrix_calculator_tables():
+    """The model's matrix-instruction cycles are AMD's calculator figures kept in tests/data."""
+    def cycles(name):
+        text = (ROOT / "tests" / "data" / "amd_matrix" / name).read_text()
+        return int(re.search(r"Execution cycles: (\d+)", text).group(1))
+    assert A.MACHINES["MI300X"].matrix == cycles("cdna3_v_mfma_f32_16x16x16_f16.txt")
+    assert A.MACHINES["RX 7900 XTX"].matrix == cycles("rdna3_v_wmma_f32_16x16x16_f16.txt")
+    assert "Can co-execute with VALU: False" in (
+        ROOT / "tests" / "data" / "amd_matrix" / "rdna3_v_wmma_f32_16x16x16_f16.txt").read_text()
+    assert A.MACHINES["RX 7900 XTX"].matrix_on_valu and not A.MACHINES["MI300X"].matrix_on_valu
+
+
+@pytest.fixture(scope="module")
+def gfx942():
+    need(None if shutil.which("clang-19") else "clang-19 (apt-get install clang-19 lld-19)")
+    need(A.offline.hip_toolchain_missing("gfx942"))
+    return "gfx942"
+
+
+def integral(counts):
+    return all(float(counts[k]).is_integer() and counts[k] >= 0 for k in A.CLASSES)
+
+
+def test_matrix_loop_on_gfx942(gfx942):
+    variant = DecodeMatrixVariant("float16", 128, 1)
+    r = A.count_loop("matrix-f16", variant, gfx942)
+    c = r.per_pass
+    # one 16-token tile a pass: head_size / 16 MFMAs for QK and as many for PV, one row tile
+    assert r.tokens == 16 and c["mfma"] == 2 * variant.head_size // 16 == 16
+    assert c["wmma"] == 0 and r.trips == {}  # no inner loop left
+    assert r.kv_bytes == 16 * 128 * 2 * 2 == 8192
+    assert integral(c) and all(c[k] > 0 for k in ("valu", "trans", "vmem_load", "salu"))
+    assert c["vmem_load_bytes"] >= r.kv_bytes  # the loads cover the tile's K and V
+    assert r.summary["scratch_bytes"] == 0
+
+
+def test_portable_loop_on_gfx942(gfx942):
+    variant = DecodeVariant("float16", 128, 8)
+    r = A.count_loop("portable-f16-gqa8", variant, gfx942)
+    c = r.per_pass
+    assert c["mfma"] == 0 and c["wmma"] == 0
+    # a pass of one wavefront stands for its 64 tokens of the 128-token tile
+    assert r.tokens == 64 and r.kv_bytes == 64 * 128 * 2 * 2 == 32768
+    # the PV token loop runs TILE / LANES = 128 / 2 times, the QK chunk loop 16 / 4
+    assert sorted(r.trips.values()).count(64) == 1 and 4 in r.trips.values()
+    assert integral(c) and all(c[k] > 0 for k in ("valu", "trans", "lds", "vmem_load", "salu"))
+    assert c["vmem_load_bytes"] >= r.kv_bytes
+    # at least the multiply-adds: per lane 4 a KV byte (8 rows, one each per 2-byte element of
+    # K and of V), over 64 lanes, two to a packed instruction at best
+    assert r.per_kv_byte()["valu"] >= 4 / 64 / 2
