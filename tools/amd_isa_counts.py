@@ -22,8 +22,9 @@ the path a wavefront takes in the steady state of a long context:
   - an inner loop counts as its body's path times its trip count. Trip counts come from the
     kernel's compile-time constants, not from the assembly (portable_trip_counts below; the
     source of each is named there). Inner loops that are fully unrolled are not loops in the
-    assembly and need none. The matrix kernel's loop has no inner loop left on any target
-    checked; the tool fails on an inner loop it has no trip count for rather than guess.
+    assembly and need none. The matrix kernel's loop keeps at most its S^T chunk loop
+    (`#pragma unroll 2`: head_size / 32 iterations, matrix_trip_counts); the tool fails on an
+    inner loop it has no trip count for rather than guess.
   - counts are per wavefront: one instruction issued by one wavefront is 1, whatever its
     width. A pass of the portable loop is run by all CUPA_THREADS / warp wavefronts of the
     workgroup on one 128-token tile, so one wavefront's pass stands for warp tokens (64 on
@@ -72,6 +73,8 @@ DEFAULT_VARIANTS = {
     "portable-f16-mha": DecodeVariant("float16", 128, 1),
     "matrix-f16": DecodeMatrixVariant("float16", 128, 1),
     "matrix-f16-fp8kv": DecodeMatrixVariant("float16", 128, 1, catalogue.FP8_CACHE),
+    # the target's own fp8 conversion (gfx94x: e4m3fnuz, gfx12: OCP e4m3; not on gfx90a/gfx11)
+    "matrix-f16-fp8hw": DecodeMatrixVariant("float16", 128, 1, catalogue.FP8_AMD_NATIVE),
     "matrix-bf16": DecodeMatrixVariant("bfloat16", 128, 1),
 }
 DEFAULT_TARGETS = ("gfx942", "gfx1100")
@@ -484,6 +487,18 @@ def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tup
     return trips, share
 
 
+def matrix_trip_counts(nest: LoopNest, header: str, variant) -> dict:
+    """Trip counts of the matrix tile loop's inner loops: only S^T's chunk loop is left a loop
+    (`#pragma unroll 2` over CHUNKS = head_size / 16 chunks: CHUNKS / 2 iterations), where
+    the compiler did not unroll it whole; every other loop there is unrolled."""
+    children = nest.children(header)
+    if not children:
+        return {}
+    if len(children) == 1 and not nest.children(children[0]):
+        return {children[0]: variant.head_size // 16 / 2}
+    raise RuntimeError(f"matrix tile loop: unexpected inner loops {children}")
+
+
 def guarded_region(nest: LoopNest, header: str, block: str) -> set:
     """What the divergent `if` that `block` ends with holds: the nodes of loop `header`
     reached from its fall-through before its execz target (where the `if` ends)."""
@@ -554,8 +569,8 @@ def count_loop(name: str, variant, arch: str, assembly: str | None = None,
     header = nest.main_loop()
     if isinstance(variant, DecodeVariant):
         trips, share = portable_trip_counts(nest, header, variant, wave)
-    else:  # the matrix loop's inner loops are unrolled; iteration() fails if not
-        trips, share = {}, {}
+    else:
+        trips, share = matrix_trip_counts(nest, header, variant), {}
     counts = iteration(nest, header, trips, wave, path, share)
     return LoopCounts(name, variant, arch, wave, header, trips, counts,
                       tokens_per_pass(variant, wave),
@@ -702,7 +717,7 @@ def main(argv=None) -> int:
         for name in args.variants.split(","):
             variant = DEFAULT_VARIANTS[name]
             if isinstance(variant, DecodeMatrixVariant) and \
-                    catalogue.matrix_core_family(arch) is None:
+                    not catalogue.matrix_variant_exists(variant, arch):
                 continue
             results.append(count_loop(name, variant, arch))
     print(table(results))

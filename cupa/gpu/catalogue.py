@@ -37,9 +37,26 @@ HEAD_TILES = (1, 2, 4, 8)
 #     scale, see Elem<cupa_fp8> in common.cuh); every kernel family;
 #   FP8_E4M3_NATIVE: OCP e4m3fn codes converted by the hardware (cvt on NVIDIA sm_89+, exact
 #     values); the tensor-core kernels only.
+#   FP8_AMD_NATIVE: codes in the format an AMD target's v_cvt_pk_f32_fp8 reads (AMD_NATIVE_FP8),
+#     converted by it (exact values); the matrix-core kernel only.
 FP8_CACHE = "fp8"
 FP8_E4M3_NATIVE = "fp8_e4m3"
-_CACHE_TYPES = {FP8_CACHE: ("kv8", "cupa_fp8"), FP8_E4M3_NATIVE: ("kv8fn", "cupa_fp8_e4m3")}
+FP8_AMD_NATIVE = "fp8_amd"
+_CACHE_TYPES = {FP8_CACHE: ("kv8", "cupa_fp8"), FP8_E4M3_NATIVE: ("kv8fn", "cupa_fp8_e4m3"),
+                FP8_AMD_NATIVE: ("kv8hw", "cupa_fp8_amd")}
+# The fp8 format an AMD target's v_cvt_pk_f32_fp8 reads, by arch prefix (CUPA_AMD_FP8_CVT in
+# kernels/amd_emulation.cuh): e4m3fnuz on gfx94x, OCP e4m3 on gfx12. gfx950 also has the
+# instruction, but which format it reads is not checked here: it widens in software.
+AMD_NATIVE_FP8 = {"gfx940": "fp8_e4m3fnuz", "gfx941": "fp8_e4m3fnuz", "gfx942": "fp8_e4m3fnuz",
+                  "gfx12": "fp8_e4m3"}
+
+
+def amd_native_fp8(arch: str) -> str | None:
+    """The fp8 format `arch` converts in hardware (AMD_NATIVE_FP8), or None."""
+    for prefix, fmt in AMD_NATIVE_FP8.items():
+        if arch.startswith(prefix):
+            return fmt
+    return None
 
 
 def head_tile(rows: int) -> int:
@@ -63,7 +80,8 @@ def sm_number(arch: str) -> int:
 def fp8_value_power(variant, exponent_bias: int) -> float:
     """What the host folds into the fp8 scales for `variant`: the hardware conversion gives the
     codes' values, the software one their values times 2^(bias - 15) (Elem<cupa_fp8>)."""
-    return 1.0 if variant.cache == FP8_E4M3_NATIVE else 2.0 ** (15 - exponent_bias)
+    native = variant.cache in (FP8_E4M3_NATIVE, FP8_AMD_NATIVE)
+    return 1.0 if native else 2.0 ** (15 - exponent_bias)
 
 
 class _TwoPhase:
@@ -220,8 +238,8 @@ MATRIX_DTYPES = ("float16", "bfloat16")
 MATRIX_HEAD_SIZES = (64, 128, 256)
 # Row tiles (16 query rows each) per workgroup: one up to 16 rows, two above (chunks of 32),
 # except where two tiles do not fit a lane's 256 VGPRs (clang-19's code objects: head 256
-# everywhere; RDNA3 at head 128, whose replicated operands spill 104-284 bytes a lane at two
-# tiles and none at one; docs/performance.md).
+# everywhere; RDNA3 at head 128, whose replicated operands spill 36-284 bytes a lane at two
+# tiles and none at one; RDNA3 still spills at head 256, docs/performance.md).
 MATRIX_TILES = (1, 2)
 ONE_TILE_HEAD_SIZES = {"mfma": (256,), "gfx12": (256,), "gfx11": (128, 256)}
 
@@ -250,7 +268,7 @@ class DecodeMatrixVariant(_TwoPhase):
     dtype: str
     head_size: int
     tiles: int
-    cache: str | None = None  # None or FP8_CACHE
+    cache: str | None = None  # None, FP8_CACHE or FP8_AMD_NATIVE
     source_file = "decode_matrix.cu"
     min_partition = 256
     workgroups_per_sm = 4  # per compute unit on AMD
@@ -273,8 +291,16 @@ class DecodeMatrixVariant(_TwoPhase):
 
 def all_matrix_variants() -> list[DecodeMatrixVariant]:
     return [DecodeMatrixVariant(dtype, d, tiles, cache) for dtype in MATRIX_DTYPES
-            for d in MATRIX_HEAD_SIZES for tiles in MATRIX_TILES for cache in (None, FP8_CACHE)
-            if tiles == 1 or d != 256]
+            for d in MATRIX_HEAD_SIZES for tiles in MATRIX_TILES
+            for cache in (None, FP8_CACHE, FP8_AMD_NATIVE) if tiles == 1 or d != 256]
+
+
+def matrix_variant_exists(variant: DecodeMatrixVariant, arch: str) -> bool:
+    """Whether `variant` compiles for `arch`: a target with matrix cores, and for a hardware fp8
+    cache one whose v_cvt_pk_f32_fp8 reads a format cupa knows."""
+    if matrix_core_family(arch) is None:
+        return False
+    return variant.cache != FP8_AMD_NATIVE or amd_native_fp8(arch) is not None
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -335,15 +361,15 @@ AMD_MATRIX_FAMILIES = ("decode_matrix",)
 
 def all_variants(arch: str | None = None) -> list:
     """Every variant, or those that exist for `arch` ('sm_90', 'gfx942', ...)."""
-    def exists(name):
+    def exists(name, variant):
         if arch is None:
             return True
         if name in NVIDIA_ONLY_FAMILIES:
             return not arch.startswith("gfx") and sm_number(arch) >= NVIDIA_ONLY_FAMILIES[name]
         if name in AMD_MATRIX_FAMILIES:
-            return matrix_core_family(arch) is not None
+            return matrix_variant_exists(variant, arch)
         return True
-    return [v for name, family in VARIANT_FAMILIES.items() if exists(name) for v in family()]
+    return [v for name, family in VARIANT_FAMILIES.items() for v in family() if exists(name, v)]
 
 
 @dataclass(frozen=True)

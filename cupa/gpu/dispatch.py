@@ -13,10 +13,11 @@ import functools
 import os
 from dataclasses import dataclass
 
-from .catalogue import (FP8_CACHE, FP8_E4M3_NATIVE, MATRIX_DTYPES, MATRIX_HEAD_SIZES,
-                        MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES, MMA_HEAD_SIZES,
-                        NVIDIA_ONLY_FAMILIES, DecodeMatrixVariant, DecodeMmaVariant,
-                        DecodeVariant, head_tile, matrix_core_family, matrix_tiles, sm_number)
+from .catalogue import (FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE, MATRIX_DTYPES,
+                        MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES,
+                        MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, DecodeMatrixVariant,
+                        DecodeMmaVariant, DecodeVariant, amd_native_fp8, head_tile,
+                        matrix_core_family, matrix_tiles, sm_number)
 
 MMA_MIN_SM = NVIDIA_ONLY_FAMILIES["decode_mma"]
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
@@ -107,5 +108,7 @@ def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
             cache = FP8_E4M3_NATIVE
         return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
     if matrix_cores and matrix_eligible(dtype, head_size, arch):
+        if kv_format is not None and kv_format == amd_native_fp8(arch):
+            cache = FP8_AMD_NATIVE  # the target's own fp8 conversion
         return DecodeMatrixVariant(dtype, head_size, matrix_tiles(rows, head_size, arch), cache)
     return DecodeVariant(dtype, head_size, head_tile(rows), cache)

@@ -156,7 +156,9 @@ struct AmdLayoutWmmaGfx12Fp8 {
 
 // ---------------------------------------------------------------------------------------------
 // Which matrix instructions the target has (0/1 each). Real AMD: from the compiler's target
-// macros. Emulated: from CUPA_EMULATE_GFX. NVIDIA: none.
+// macros. Emulated: from CUPA_EMULATE_GFX. NVIDIA: none. CUPA_AMD_FP8_CVT: the fp8 codes
+// v_cvt_pk_f32_fp8 reads, 1 e4m3fnuz (gfx94x), 2 OCP e4m3 (gfx12), 0 no such instruction
+// (or, on gfx950, none cupa relies on yet).
 #if CUPA_EMULATE_AMD
 #ifndef CUPA_EMULATE_GFX
 #define CUPA_EMULATE_GFX (CUPA_WARP == 64 ? 0x942 : 0x1100)
@@ -172,14 +174,17 @@ struct AmdLayoutWmmaGfx12Fp8 {
 #define CUPA_AMD_MFMA_FP8 (CUPA_EMULATE_GFX == 0x942)
 #define CUPA_AMD_WMMA_GFX11 (CUPA_EMULATE_GFX == 0x1100)
 #define CUPA_AMD_WMMA_GFX12 (CUPA_EMULATE_GFX == 0x1201)
+#define CUPA_AMD_FP8_CVT (CUPA_EMULATE_GFX == 0x942 ? 1 : CUPA_EMULATE_GFX == 0x1201 ? 2 : 0)
 #elif CUPA_HIP && (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
                    defined(__gfx942__) || defined(__gfx950__))
 #define CUPA_AMD_MFMA 1
 // gfx950's fp8 MFMA reads OCP e4m3, not gfx94x's e4m3fnuz: a different instruction for us.
 #if defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__)
 #define CUPA_AMD_MFMA_FP8 1
+#define CUPA_AMD_FP8_CVT 1
 #else
 #define CUPA_AMD_MFMA_FP8 0
+#define CUPA_AMD_FP8_CVT 0  // gfx950: its conversions' format is not checked here; software
 #endif
 #define CUPA_AMD_WMMA_GFX11 0
 #define CUPA_AMD_WMMA_GFX12 0
@@ -193,11 +198,15 @@ struct AmdLayoutWmmaGfx12Fp8 {
 #define CUPA_AMD_MFMA_FP8 0
 #define CUPA_AMD_WMMA_GFX11 0
 #define CUPA_AMD_WMMA_GFX12 (CUPA_WARP == 32)
+#define CUPA_AMD_FP8_CVT 2
 #else
 #define CUPA_AMD_MFMA 0
 #define CUPA_AMD_MFMA_FP8 0
 #define CUPA_AMD_WMMA_GFX11 0
 #define CUPA_AMD_WMMA_GFX12 0
+#endif
+#ifndef CUPA_AMD_FP8_CVT
+#define CUPA_AMD_FP8_CVT 0
 #endif
 
 // Operands as VGPRs: r[n] is the n-th register of this lane's operand, 16-bit elements two to a
@@ -206,6 +215,7 @@ struct AmdLayoutWmmaGfx12Fp8 {
 struct amd_u32x2 { unsigned int r[2]; };
 struct amd_u32x4 { unsigned int r[4]; };
 struct amd_u32x8 { unsigned int r[8]; };
+struct amd_f32x2 { float r[2]; };
 struct amd_f32x4 { float r[4]; };
 struct amd_f32x8 { float r[8]; };
 
@@ -568,3 +578,26 @@ CUPA_AMD_FN amd_f32x8 amd_wmma_gfx12_f32_16x16x16_fp8_fp8(amd_u32x2 a, amd_u32x2
 #endif
 }
 #endif  // CUPA_AMD_WMMA_GFX12
+
+#if CUPA_AMD_FP8_CVT
+// v_cvt_pk_f32_fp8: the fp8 codes in bytes 0-1 (HIGH false) or 2-3 (HIGH true) of a word as
+// two floats, exactly (format: CUPA_AMD_FP8_CVT). The byte pair is the instruction's
+// immediate, so a template argument. Emulated by the exact decoding above.
+template <bool HIGH>
+CUPA_AMD_FN amd_f32x2 amd_cvt_pk_f32_fp8(unsigned int word) {
+    amd_f32x2 f;
+    const unsigned int pair = HIGH ? word >> 16 : word & 0xffffu;
+#if CUPA_EMULATE_AMD
+    constexpr int FMT = CUPA_AMD_FP8_CVT == 1 ? cupa_emu::FP8_FNUZ : cupa_emu::FP8_OCP;
+    f.r[0] = cupa_emu::decode<FMT>(pair & 0xffu);
+    f.r[1] = cupa_emu::decode<FMT>(pair >> 8);
+#else
+    typedef CUPA_AMD_VEC(float, 2) f2;
+    const f2 v = __builtin_amdgcn_cvt_pk_f32_fp8((int)word, HIGH);
+    f.r[0] = v.x;
+    f.r[1] = v.y;
+    (void)pair;
+#endif
+    return f;
+}
+#endif  // CUPA_AMD_FP8_CVT

@@ -48,6 +48,9 @@ struct cupa_fp8 { u8 bits; };
 // An OCP e4m3fn code for kernels that convert it with the hardware (NVIDIA sm_89+: one cvt per
 // pair, exact values; the tensor-core kernels only).
 struct cupa_fp8_e4m3 { u8 bits; };
+// An fp8 code in the format an AMD target's v_cvt_pk_f32_fp8 reads (e4m3fnuz on gfx94x, OCP
+// e4m3 on gfx12), converted by that instruction (exact values; the matrix-core kernel only).
+struct cupa_fp8_amd { u8 bits; };
 
 // 16 bytes, the widest load a thread issues on both vendors.
 struct alignas(16) cupa_u32x4 { u32 x, y, z, w; };

@@ -1,6 +1,7 @@
 // Phase 1 of paged decode on AMD matrix cores: MFMA (CDNA) or WMMA (RDNA3, RDNA4) 16x16x16
 // instructions, fp16/bf16 queries, a cache of the query type or fp8 codes (widened to the
-// query type in registers), head sizes 64, 128 and 256. Phase 2 is decode_common.cuh's reduce.
+// query type in registers: by v_cvt_pk_f32_fp8 where the target reads the cache's format,
+// in software otherwise), head sizes 64, 128 and 256. Phase 2 is decode_common.cuh's reduce.
 //
 // One workgroup per (row chunk of a KV head, partition, sequence), as every family
 // (begin_partition): TILES 16-row tiles of query rows (GQA heads x new tokens). Each wavefront
@@ -52,20 +53,52 @@ CUPA_FN void load_run(const C* src, u32* words) {
     }
 }
 
-// fp8 codes become float16 holding the code's value times 2^(bias - 15) (Elem<cupa_fp8>; the
-// host folds the power into the scales), exactly; bfloat16 takes that value, exactly.
+// A run of N elements of cache type C (its words as loaded) as N / 2 words of two 16-bit
+// values of matrix type T, element 2i in the low half of word i: the operand form.
+//   T itself: the words as they are.
+//   cupa_fp8 (software): a code becomes float16 holding its value times 2^(bias - 15)
+//     (Elem<cupa_fp8>; the host folds the power into the scales), exactly; bfloat16 takes
+//     that value, exactly.
+//   cupa_fp8_amd (hardware): v_cvt_pk_f32_fp8 gives the codes' values, exactly, two a time.
 template <typename T> CUPA_FN u32 from_half_bits(u32 half);
 template <> CUPA_FN u32 from_half_bits<cupa_f16>(u32 half) { return half; }
 template <> CUPA_FN u32 from_half_bits<cupa_bf16>(u32 half) {
     return float_to_bf16_bits(half_bits_to_float((u16)half));
 }
 
-// Element i of a run of cache type C, as the 16 bits of matrix type T.
-template <typename T, typename C>
-CUPA_FN u32 element16(const u32* words, int i) {
-    if (sizeof(C) == 2) return (words[i / 2] >> (16 * (i % 2))) & 0xffffu;
-    return from_half_bits<T>(Elem<cupa_fp8>::half_bits((words[i / 4] >> (8 * (i % 4))) & 0xffu));
-}
+template <typename T, typename C, int N>
+struct Widen {  // a 16-bit cache of the query type
+    CUPA_FN static void run(const u32* raw, u32* out) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) out[i] = raw[i];
+    }
+};
+template <typename T, int N>
+struct Widen<T, cupa_fp8, N> {
+    CUPA_FN static u32 code(const u32* raw, int i) {
+        return from_half_bits<T>(Elem<cupa_fp8>::half_bits((raw[i / 4] >> (8 * (i % 4))) & 0xffu));
+    }
+    CUPA_FN static void run(const u32* raw, u32* out) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) out[i] = code(raw, 2 * i) | (code(raw, 2 * i + 1) << 16);
+    }
+};
+#if CUPA_AMD_FP8_CVT
+template <typename T, int N>
+struct Widen<T, cupa_fp8_amd, N> {
+    CUPA_FN static void run(const u32* raw, u32* out) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            const amd_f32x2 f = i % 2 ? amd_cvt_pk_f32_fp8<true>(raw[i / 2])
+                                      : amd_cvt_pk_f32_fp8<false>(raw[i / 2]);
+            out[i] = Elem<T>::narrow_word(f.r[0], f.r[1]);  // exact: fp8 values fit both
+        }
+    }
+};
+#endif
+
+// Element i of words of two 16-bit values.
+CUPA_FN u32 half_of(const u32* words, int i) { return (words[i / 2] >> (16 * (i % 2))) & 0xffffu; }
 
 template <typename T, typename C, int D, int TILES>
 struct MatrixPartition {
@@ -75,9 +108,9 @@ struct MatrixPartition {
     typedef typename G::Acc Acc;
     static constexpr int WAVES = CUPA_THREADS / CUPA_WARP;
     // PV reads V in groups of chunks, each token's run of a group in one load of at least 4
-    // bytes, with 16 operand words of V per lane at a time: registers are what RDNA3's
+    // bytes, with at most 32 operand words of V per lane at a time: registers are what RDNA3's
     // replicated operands run short of (8 VGPRs per fragment).
-    static constexpr int V_GROUP_WANTED = cmax(16 / G::REGS, 4 / (int)sizeof(C));
+    static constexpr int V_GROUP_WANTED = cmax(32 / G::REGS, 4 / (int)sizeof(C));
     static constexpr int V_GROUP = cmin(G::CHUNKS, V_GROUP_WANTED);
     static_assert(G::CHUNKS % V_GROUP == 0, "whole groups of chunks");
     // LDS words: the query fragments during the loop ([tile][chunk][register][lane]), then
@@ -100,6 +133,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     constexpr int WAVES = P::WAVES, V_GROUP = P::V_GROUP;
     G::check();
     static_assert(sizeof(T) == 2 && (sizeof(C) == 2 || sizeof(C) == 1), "16-bit or fp8 cache");
+    static_assert(P::V_GROUP % 2 == 0, "V runs of whole 16-bit pairs");
     __shared__ u32 lds[P::LDS_WORDS];
     CUPA_ASSERT_AMD_LDS(4 * P::LDS_WORDS);
 
@@ -163,9 +197,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             u32 raw[ELEMS * sizeof(C) / 4];
             load_run<C, ELEMS>(k_run != nullptr ? k_run + c * ELEMS : nullptr, raw);
             AB k;
-#pragma unroll
-            for (int j = 0; j < REGS; ++j)
-                k.r[j] = element16<T, C>(raw, 2 * j) | (element16<T, C>(raw, 2 * j + 1) << 16);
+            Widen<T, C, ELEMS>::run(raw, k.r);
 #pragma unroll
             for (int tile = 0; tile < TILES; ++tile) {
                 AB q;
@@ -237,19 +269,21 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         // token's row at column col * CHUNKS + c0.
 #pragma unroll
         for (int c0 = 0; c0 < CHUNKS; c0 += V_GROUP) {
-            u32 raw[ELEMS][V_GROUP * sizeof(C) / 4 > 0 ? V_GROUP * sizeof(C) / 4 : 1];
+            u32 wide[ELEMS][V_GROUP / 2];  // each token's run, as 16-bit pairs
 #pragma unroll
             for (int e = 0; e < ELEMS; ++e) {
                 const i64 row = (readable >> e) & 1u ? rows.row(pv_t0 + e) : -1;
+                u32 raw[V_GROUP * sizeof(C) / 4];
                 load_run<C, V_GROUP>(row >= 0 ? value_cache + row + col * CHUNKS + c0 : nullptr,
-                                     raw[e]);
+                                     raw);
+                Widen<T, C, V_GROUP>::run(raw, wide[e]);
             }
 #pragma unroll
             for (int c = 0; c < V_GROUP; ++c) {
                 AB v;
 #pragma unroll
                 for (int j = 0; j < REGS; ++j)
-                    v.r[j] = element16<T, C>(raw[2 * j], c) | (element16<T, C>(raw[2 * j + 1], c) << 16);
+                    v.r[j] = half_of(wide[2 * j], c) | (half_of(wide[2 * j + 1], c) << 16);
 #pragma unroll
                 for (int tile = 0; tile < TILES; ++tile)
                     o[tile][c0 + c] = Core::mma(v, p_op[tile], o[tile][c0 + c]);

@@ -123,7 +123,8 @@ def test_matrix_loop_on_gfx942(gfx942):
     c = r.per_pass
     # one 16-token tile a pass: head_size / 16 MFMAs for QK and as many for PV, one row tile
     assert r.tokens == 16 and c["mfma"] == 2 * variant.head_size // 16 == 16
-    assert c["wmma"] == 0 and r.trips == {}  # no inner loop left
+    # the S^T chunk loop, unrolled by 2, is the one inner loop: head_size / 32 passes
+    assert c["wmma"] == 0 and list(r.trips.values()) == [variant.head_size // 32]
     assert r.kv_bytes == 16 * 128 * 2 * 2 == 8192
     assert integral(c) and all(c[k] > 0 for k in ("valu", "trans", "vmem_load", "salu"))
     assert c["vmem_load_bytes"] >= r.kv_bytes  # the loads cover the tile's K and V
@@ -144,3 +145,14 @@ def test_portable_loop_on_gfx942(gfx942):
     # at least the multiply-adds: per lane 4 a KV byte (8 rows, one each per 2-byte element of
     # K and of V), over 64 lanes, two to a packed instruction at best
     assert r.per_kv_byte()["valu"] >= 4 / 64 / 2
+
+
+def test_hardware_fp8_widening_on_gfx942(gfx942):
+    """The e4m3fnuz cache on gfx942 widens with v_cvt_pk_f32_fp8, two codes an instruction:
+    one per pair of K and V elements of a pass, and less VALU work than the software form."""
+    hw = A.count_loop("hw", DecodeMatrixVariant("float16", 128, 1, "fp8_amd"), gfx942)
+    sw = A.count_loop("sw", DecodeMatrixVariant("float16", 128, 1, "fp8"), gfx942)
+    text = A.offline.assembly_for(DecodeMatrixVariant("float16", 128, 1, "fp8_amd"), gfx942)
+    assert "v_cvt_pk_f32_fp8" in text
+    assert hw.per_pass["valu"] < sw.per_pass["valu"]
+    assert hw.kv_bytes == sw.kv_bytes == 16 * 128 * 2

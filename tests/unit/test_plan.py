@@ -54,8 +54,14 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
     ("float16", 128, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d128", 2 ** 8),
     ("float16", 128, 8, "sm_90", "fp8_e4m3fnuz", "cupa_decode_mma8_f16kv8_d128", 2 ** 7),
     ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_bf16kv8_d96_h4", 2 ** 8),
-    ("float16", 128, 8, "gfx942", "fp8_e4m3fnuz", "cupa_decode_xmma1_f16kv8_d128", 2 ** 7),
-    ("bfloat16", 64, 40, "gfx1201", "fp8_e4m3", "cupa_decode_xmma2_bf16kv8_d64", 2 ** 8),
+    # AMD: the target's own conversion where it reads the cache's format (exact values)
+    ("float16", 128, 8, "gfx942", "fp8_e4m3fnuz", "cupa_decode_xmma1_f16kv8hw_d128", 1),
+    ("bfloat16", 64, 40, "gfx1201", "fp8_e4m3", "cupa_decode_xmma2_bf16kv8hw_d64", 1),
+    # ... and software widening where it does not, or has none
+    ("float16", 128, 8, "gfx942", "fp8_e4m3", "cupa_decode_xmma1_f16kv8_d128", 2 ** 8),
+    ("float16", 128, 8, "gfx90a", "fp8_e4m3fnuz", "cupa_decode_xmma1_f16kv8_d128", 2 ** 7),
+    ("float16", 128, 8, "gfx950", "fp8_e4m3", "cupa_decode_xmma1_f16kv8_d128", 2 ** 8),
+    ("bfloat16", 128, 8, "gfx1100", "fp8_e4m3", "cupa_decode_xmma1_bf16kv8_d128", 2 ** 8),
 ])
 def test_fp8_kernel_selection(dtype, head_size, rows, arch, fmt, expected, power):
     from cupa.fp8 import FP8_FORMATS

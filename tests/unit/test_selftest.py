@@ -49,9 +49,10 @@ def test_cases_reach_every_variant_dispatch_can_pick(arch):
         matrix = {v for v in catalogue.all_decode_variants()
                   if v.dtype in catalogue.MATRIX_DTYPES
                   and v.head_size in catalogue.MATRIX_HEAD_SIZES}
-        reachable = {v for v in catalogue.all_matrix_variants()
-                     if v.tiles == catalogue.matrix_tiles(32, v.head_size, arch)
-                     or v.tiles == 1}
+        reachable = {v for v in catalogue.all_variants(arch)
+                     if isinstance(v, catalogue.DecodeMatrixVariant)
+                     and (v.tiles == catalogue.matrix_tiles(32, v.head_size, arch)
+                          or v.tiles == 1)}
         assert variants == (set(catalogue.all_decode_variants()) - matrix) | reachable
     else:
         assert {v for v in variants if isinstance(v, catalogue.DecodeMmaVariant)} == {
