@@ -241,7 +241,7 @@ MATRIX_HEAD_SIZES = (64, 128, 256)
 # everywhere; RDNA3 at head 128, whose replicated operands spill 36-284 bytes a lane at two
 # tiles and none at one; RDNA3 still spills at head 256, docs/performance.md).
 MATRIX_TILES = (1, 2)
-ONE_TILE_HEAD_SIZES = {"mfma": (256,), "gfx12": (256,), "gfx11": (128, 256)}
+ONE_TILE_HEAD_SIZES = {"cdna": (256,), "rdna4": (256,), "rdna3": (128, 256)}
 
 
 def matrix_core_family(arch: str) -> str | None:
@@ -253,10 +253,19 @@ def matrix_core_family(arch: str) -> str | None:
     return None
 
 
+def matrix_generation(arch: str) -> str | None:
+    """'cdna' (MFMA), 'rdna3' or 'rdna4' (WMMA, different layouts), or None without matrix
+    cores."""
+    family = matrix_core_family(arch)
+    if family is None:
+        return None
+    return "cdna" if family == "mfma" else "rdna3" if arch.startswith("gfx11") else "rdna4"
+
+
 def matrix_tiles(rows: int, head_size: int, arch: str) -> int:
     """Row tiles of the matrix-core variant for `rows` query rows per KV head on `arch`."""
-    family = "mfma" if matrix_core_family(arch) == "mfma" else arch[:5]
-    return 1 if rows <= 16 or head_size in ONE_TILE_HEAD_SIZES.get(family, ()) else 2
+    one_tile = ONE_TILE_HEAD_SIZES.get(matrix_generation(arch), ())
+    return 1 if rows <= 16 or head_size in one_tile else 2
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,9 @@ struct cupa_fp8_e4m3 { u8 bits; };
 // e4m3 on gfx12), converted by that instruction (exact values; the matrix-core kernel only).
 struct cupa_fp8_amd { u8 bits; };
 
-// 16 bytes, the widest load a thread issues on both vendors.
+// 16 bytes, the widest load a thread issues on both vendors; and 8.
 struct alignas(16) cupa_u32x4 { u32 x, y, z, w; };
+struct alignas(8) cupa_u32x2 { u32 x, y; };
 
 CUPA_FN float bits_to_float(u32 u) {
 #if CUPA_HIP

@@ -28,8 +28,6 @@
 
 namespace cupa {
 
-struct alignas(8) cupa_u32x2 { u32 x, y; };
-
 // N consecutive elements of type C (4, 8, 16 or 32 bytes) as words; zeros where `src` is null.
 template <typename C, int N>
 CUPA_FN void load_run(const C* src, u32* words) {
@@ -68,6 +66,9 @@ template <> CUPA_FN u32 from_half_bits<cupa_bf16>(u32 half) {
 
 template <typename T, typename C, int N>
 struct Widen {  // a 16-bit cache of the query type
+    // (an fp8 type lands here only where its specialisation does not exist: cupa_fp8_amd on a
+    // target without v_cvt_pk_f32_fp8)
+    static_assert(sizeof(C) == 2, "no conversion of this cache type on this target");
     CUPA_FN static void run(const u32* raw, u32* out) {
 #pragma unroll
         for (int i = 0; i < N / 2; ++i) out[i] = raw[i];
