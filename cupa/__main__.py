@@ -84,35 +84,60 @@ def _batch_cost(batch) -> int:
     return sum(getattr(v, "head_size", 32) * getattr(v, "rows", 1) for v in batch)
 
 
-def compile_all(targets, jobs=None, progress=True, representative=False):
-    """Compile the variants of every target (all, or offline.representative_variants), in
-    batches of one source file and dtype (one compiler run each); returns
-    {(variant, arch): (ok, detail)}. A failing batch marks each of its variants failed, with
-    the compiler's log naming the instantiation at fault.
+class CompileRun:
+    """Offline compiles submitted to a pool of worker processes (start_compile); `results`
+    waits for them. The pool's workers are made at submission, so a caller can go on with other
+    work (the test suite runs its other tests) while they compile."""
 
-    progress: a line on stderr per finished batch (rewritten in place on a terminal)."""
+    def __init__(self, work: list, jobs=None):
+        self.total = sum(len(batch) for batch, _ in work)
+        self.start = time.perf_counter()
+        self._pool = ProcessPoolExecutor(max_workers=jobs or os.cpu_count())
+        self._futures = [self._pool.submit(_compile_batch, job) for job in work]
+        self._results = None
+
+    def results(self, progress=False) -> dict:
+        """{(variant, arch): (ok, detail)} once every batch has finished. progress: a line on
+        stderr per finished batch (rewritten in place on a terminal)."""
+        if self._results is not None:
+            return self._results
+        results = {}
+        in_place = sys.stderr.isatty()
+        for future in as_completed(self._futures):
+            batch, arch, ok, detail, seconds = future.result()
+            results.update({(v, arch): (ok, detail) for v in batch})
+            if progress:
+                done = len(results) == self.total
+                print(f"{chr(13) if in_place else ''}  compiled {len(results)}/{self.total} "
+                      f"variants in {time.perf_counter() - self.start:.0f} s  (last: "
+                      f"{len(batch)} of {batch[0].entry_names[0]} on {arch}, {seconds:.1f} s"
+                      f"{'' if ok else ', FAILED'})", end="\n" if (done or not ok or not in_place)
+                      else "", file=sys.stderr, flush=True)
+        self._pool.shutdown()
+        self._results = results
+        return results
+
+    def cancel(self) -> None:
+        """Drop the batches not yet started (the running ones finish: a compiler run is not
+        interrupted)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_compile(targets, jobs=None, representative=False) -> CompileRun:
+    """Submit the compiles of every target's variants (all, or offline.representative_variants)
+    in batches of one source file and dtype (one compiler run each). A failing batch marks each
+    of its variants failed, with the compiler's log naming the instantiation at fault."""
     from .gpu import catalogue, offline
     pick = offline.representative_variants if representative else catalogue.all_variants
     work = [(batch, a) for a in targets for batch in offline.variant_batches(pick(a))]
     # Longest first, so that the last batches to finish are short ones (the pool's tail).
     work.sort(key=lambda job: -_batch_cost(job[0]))
-    total = sum(len(batch) for batch, _ in work)
-    results = {}
-    start = time.perf_counter()
-    in_place = sys.stderr.isatty()
-    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
-        futures = [pool.submit(_compile_batch, job) for job in work]
-        for future in as_completed(futures):
-            batch, arch, ok, detail, seconds = future.result()
-            results.update({(v, arch): (ok, detail) for v in batch})
-            if progress:
-                done = len(results) == total
-                print(f"{chr(13) if in_place else ''}  compiled {len(results)}/{total} variants "
-                      f"in {time.perf_counter() - start:.0f} s  (last: {len(batch)} of "
-                      f"{batch[0].entry_names[0]} on {arch}, {seconds:.1f} s"
-                      f"{'' if ok else ', FAILED'})", end="\n" if (done or not ok or not in_place)
-                      else "", file=sys.stderr, flush=True)
-    return results
+    return CompileRun(work, jobs)
+
+
+def compile_all(targets, jobs=None, progress=True, representative=False):
+    """start_compile, then wait: {(variant, arch): (ok, detail)}."""
+    return start_compile(targets, jobs, representative).results(progress)
 
 
 def _default_targets() -> tuple[list[str], list[str]]:

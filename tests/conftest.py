@@ -49,6 +49,11 @@ def switch(monkeypatch):
     dispatch.reload_switches()
 
 
+def pytest_sessionfinish(session):
+    import offline_compile
+    offline_compile.stop()
+
+
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run only the I-th of N interleaved slices of the collected tests "
@@ -63,11 +68,24 @@ def pytest_collection_modifyitems(config, items):
         if GPU_DIR in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.gpu)
     shard = config.getoption("--shard")
-    if not shard:
+    if shard:
+        index, count = (int(x) for x in shard.split("/"))
+        if not 0 <= index < count:
+            raise pytest.UsageError(f"--shard {shard}: need 0 <= I < N")
+        keep = [item for n, item in enumerate(items) if n % count == index]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+    compile_last(items)
+
+
+def compile_last(items):
+    """Start the offline compile in its worker processes now and run the tests that read it
+    last, so that it overlaps the rest of the suite (tests/helpers/offline_compile.py)."""
+    import offline_compile
+    file_name, test_name = offline_compile.RESULTS_TEST
+    reading = [item for item in items if Path(str(item.fspath)).name == file_name
+               and getattr(item, "originalname", None) == test_name]
+    if not reading:
         return
-    index, count = (int(x) for x in shard.split("/"))
-    if not 0 <= index < count:
-        raise pytest.UsageError(f"--shard {shard}: need 0 <= I < N")
-    keep = [item for n, item in enumerate(items) if n % count == index]
-    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-    items[:] = keep
+    items[:] = [item for item in items if item not in reading] + reading
+    offline_compile.start()

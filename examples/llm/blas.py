@@ -187,7 +187,8 @@ class CapturableGemm:
         known = self._weights.get(id(weight))
         if known is None or known.array is not weight:
             known = self._weights[id(weight)] = self._weight(weight)
-        x = cupy.ascontiguousarray(x, dtype=known.dtype)
+        if x.dtype != known.dtype or not x.flags.c_contiguous:  # (a call costs more than this)
+            x = cupy.ascontiguousarray(x, dtype=known.dtype)
         rows, inner = x.shape
         y = cupy.empty((rows, known.out_features), dtype=np.float32) if out is None else out
         if rows == 0:

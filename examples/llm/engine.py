@@ -145,6 +145,7 @@ class Engine:
         self._ahead: dict = {}  # seq_id -> cache slot of its next decode step, reserved ahead
         self._layer_caches = layer_caches(cache)
         self._step_buffers = (0, None)  # (batch size, model.step_buffers of it) of eager steps
+        self._eager_plans = (None, None)  # (shapes and hint, cupa.DecodePlan) of eager steps
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -297,36 +298,57 @@ class Engine:
         step[1] = [s.num_tokens - 1 for s in seqs]
         step[2] = slots
         tokens, positions, slots = xp.asarray(step)
-        # Tables are built and uploaded once per step, then every layer's cupa.decode uses them
-        # (cache.decode(layer, ...) would rebuild them per layer).
-        block_tables, seq_lens = self.cache.tables(ids)
         max_len = max(s.num_tokens for s in seqs)  # = seq_len after extend; no device read
-        # cupa.decode's partitioning hint, rounded up so that its cached plan serves 256 steps
-        # (a hint only tunes speed).
+        # The planned length, rounded up so that one plan (and the tables' width) serves 256
+        # steps: cupa's partitioning hint, and a width that the plan fixes (a hint only tunes
+        # speed; the padding columns lie beyond every seq_len and are never read).
         hint = -(-max_len // PLAN_HINT_STEP) * PLAN_HINT_STEP
         kv_dtype, query_dtype, fp8 = paged_decode_formats(model, self.cache)
         caches = self._layer_caches
 
         if self.attention == "naive":
+            block_tables, seq_lens = self.cache.tables(ids)
             def attention(layer, q, k, v):
                 return naive_decode_attention(xp, q, *caches[layer], block_tables, seq_lens,
                                               max_len, model.scale, **fp8)
         else:
+            # Tables are built and uploaded once per step, then every layer's attention uses
+            # them (cache.decode(layer, ...) would rebuild them per layer).
+            block_tables, seq_lens = self.cache.tables(ids, max_blocks=hint // self.block_size)
             # One output for every layer's attention: the output projection reads it before the
             # next layer's attention writes it (one stream on the GPU orders them). It stays in
             # the query dtype: the output projection casts it to the weight dtype anyway (a
             # float16 -> float32 -> float16 round trip would be exact, and two more kernels).
             out = xp.empty((len(seqs), cfg.num_heads, cfg.head_dim), dtype=query_dtype)
-
-            def attention(layer, q, k, v):
-                return cupa.decode(decode_query(xp, q, query_dtype), *caches[layer],
-                                   block_tables, seq_lens, scale=model.scale, max_seq_len=hint,
-                                   out=out, backend=self.backend, **fp8)
+            plan = self._eager_plan(out, block_tables, seq_lens, hint, fp8)
+            if xp is np:
+                def attention(layer, q, k, v):
+                    return plan.run(decode_query(xp, q, query_dtype), *caches[layer],
+                                    block_tables, seq_lens, out=out)
+            else:
+                # Every layer's arrays match the plan (same shapes, dtypes and layout as
+                # layer 0's, which it was made with): run_matched skips cupa's checks of them.
+                def attention(layer, q, k, v):
+                    q = decode_query(xp, q, query_dtype)
+                    return plan.run_matched((q, *caches[layer], block_tables, seq_lens,
+                                             None, None, None), out)
 
         attend = write_then_attend(self.cache, slots, kv_dtype, attention)
         logits = model.forward(tokens, positions, attend, matmul=self._eager_matmul(),
                                buffers=self._buffers_for(len(seqs)))
         self._sample_and_append(seqs, logits)
+
+    def _eager_plan(self, query, block_tables, seq_lens, hint: int, fp8: dict):
+        """The decode plan of eager steps of this batch size and planned length, kept for the
+        latest pair (they change every PLAN_HINT_STEP steps, or when sequences join or leave):
+        made once, like a serving engine's plan() before a run of steps."""
+        key = (query.shape, block_tables.shape, hint)
+        if self._eager_plans[0] != key:
+            plan = cupa.plan_decode(query, *self._layer_caches[0], block_tables, seq_lens,
+                                    scale=self.model.scale, max_seq_len=hint,
+                                    backend=self.backend, **fp8)
+            self._eager_plans = (key, plan)
+        return self._eager_plans[1]
 
     def _buffers_for(self, batch: int):
         """The model's step buffers for eager decode steps of `batch` sequences, kept for the

@@ -239,6 +239,14 @@ def _kernels():
     return cupy, {name: module.get_function(name) for name in KERNEL_NAMES}
 
 
+def _float32_rows(cupy, x):
+    """x as a C-contiguous float32 array: x itself when it is one, as the step buffers are
+    (two attribute reads cost less host time than a conversion call that returns x)."""
+    if x.dtype == np.float32 and x.flags.c_contiguous:
+        return x
+    return cupy.ascontiguousarray(x, dtype=np.float32)
+
+
 def _element_grid(count: int) -> tuple:
     return (min(-(-count // _ELEMENT_THREADS), _MAX_GRID),)
 
@@ -256,6 +264,9 @@ class FusedOps:
                           else np.dtype(np.float32))
         self._suffix = OUTPUT_KERNEL_SUFFIX[self.out_dtype]
         self._float32 = {}  # id(array) -> (array, float32 copy): norm weights, biases, cast once
+        # split_qkv's latest (out, problem, (q, k, v) views of out): a decode step's layers all
+        # split into one buffer, and four array views a layer are a tenth of its host time.
+        self._split_views = (None, None, None)
 
     def as_float32(self, weight):
         """A float32 copy of a weight (norm weights, biases), made at its first use and kept."""
@@ -275,7 +286,7 @@ class FusedOps:
     def rms_norm(self, x, weight, eps: float):
         """x float32 [T, H] -> normalised x times weight, [T, H] of out_dtype (one launch)."""
         cupy, kernel = self._kernel("rms_norm")
-        x = cupy.ascontiguousarray(x, dtype=np.float32)
+        x = _float32_rows(cupy, x)
         y = cupy.empty(x.shape, dtype=self.out_dtype)
         if x.shape[0]:
             kernel((x.shape[0],), (_ROW_THREADS,), (x, self.as_float32(weight), y,
@@ -287,8 +298,7 @@ class FusedOps:
         and the norm in one launch. out: (float32 [T, H], [T, H] of out_dtype) to write them
         into (neither may be x or y), else new arrays."""
         cupy, kernel = self._kernel("add_rms_norm")
-        x = cupy.ascontiguousarray(x, dtype=np.float32)
-        y = cupy.ascontiguousarray(y, dtype=np.float32)
+        x, y = _float32_rows(cupy, x), _float32_rows(cupy, y)
         if out is None:
             out = cupy.empty(x.shape, dtype=np.float32), cupy.empty(x.shape, dtype=self.out_dtype)
         total, normed = out
@@ -319,10 +329,11 @@ class FusedOps:
         and v [T, KV, d] (views), of out_dtype, rotary applied to q and k; all three are views
         of `out` (flat, of out_dtype) when given."""
         cupy, kernel = self._kernel("rope_qkv")
-        qkv = cupy.ascontiguousarray(qkv, dtype=np.float32)
+        qkv = _float32_rows(cupy, qkv)
         tokens, heads = qkv.shape[0], num_heads + 2 * num_kv_heads
         q_size = tokens * num_heads * head_dim
-        if out is None:
+        given = out is not None
+        if not given:
             out = cupy.empty(tokens * heads * head_dim, dtype=self.out_dtype)
         cos, sin = rope
         if out.size:
@@ -330,15 +341,21 @@ class FusedOps:
                    (qkv, NO_BIAS if bias is None else self.as_float32(bias), cos, sin, out,
                     np.int32(num_heads), np.int32(heads), np.int32(num_heads + num_kv_heads),
                     np.int32(head_dim), np.int64(q_size), np.int64(out.size)))
-        q = out[:q_size].reshape(tokens, num_heads, head_dim)
-        kv = out[q_size:].reshape(tokens, 2 * num_kv_heads, head_dim)
-        return q, kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+        problem = (tokens, num_heads, num_kv_heads, head_dim)
+        kept_out, kept_problem, views = self._split_views
+        if kept_out is not out or kept_problem != problem:
+            q = out[:q_size].reshape(tokens, num_heads, head_dim)
+            kv = out[q_size:].reshape(tokens, 2 * num_kv_heads, head_dim)
+            views = q, kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+            if given:
+                self._split_views = (out, problem, views)
+        return views
 
     def silu_mul(self, gate_up, out=None):
         """float32 [T, 2 * inter] (gate, then up) -> SiLU(gate) * up, [T, inter] of out_dtype
         (into `out` when given)."""
         cupy, kernel = self._kernel("silu_mul")
-        gate_up = cupy.ascontiguousarray(gate_up, dtype=np.float32)
+        gate_up = _float32_rows(cupy, gate_up)
         inter = gate_up.shape[-1] // 2
         if out is None:
             out = cupy.empty((gate_up.shape[0], inter), dtype=self.out_dtype)

@@ -30,15 +30,18 @@ def write_then_attend(cache, slots, kv_dtype, attention):
     attention reads the new token's own K/V back from the cache; prefill's attention uses the
     unquantised k and v it is given instead."""
     def attend(layer, q, k, v):
-        cache.write(layer, slots, k.astype(kv_dtype, copy=False),
-                    v.astype(kv_dtype, copy=False))
+        # (A dtype comparison costs less host time than a cast that turns out to be none.)
+        cache.write(layer, slots, k if k.dtype == kv_dtype else k.astype(kv_dtype),
+                    v if v.dtype == kv_dtype else v.astype(kv_dtype))
         return attention(layer, q, k, v)
     return attend
 
 
 def decode_query(xp, q, query_dtype):
     """q as paged decode takes it: `query_dtype` and C-contiguous (cupa checks both); q itself
-    when it is already (one call that copies nothing)."""
+    when it is already, as the fused split_qkv writes it (two attribute reads, not a call)."""
+    if q.dtype == query_dtype and q.flags.c_contiguous:
+        return q
     return xp.ascontiguousarray(q, dtype=query_dtype)
 
 

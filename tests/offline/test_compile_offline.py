@@ -13,7 +13,9 @@ skip (cupy's nvrtc module is hipRTC there).
 import os
 import subprocess
 
+import offline_compile
 import pytest
+from offline_compile import missing_for
 
 from cupa import platform
 from cupa.__main__ import compile_all
@@ -50,16 +52,11 @@ def require_compilers(missing):
         pytest.skip(message)
 
 
-def missing_for(arch):
-    return hip_missing(arch) if arch.startswith("gfx") else nvrtc_missing()
-
-
 @pytest.fixture(scope="module")
 def results():
-    """Compile results of every target this machine has compilers for, in one parallel run."""
-    usable = [a for a in offline.ALL_TARGETS if not missing_for(a)]
-    return compile_all(usable, progress=False,
-                       representative=not offline.full_compile_requested())
+    """Compile results of every target this machine has compilers for, from one parallel run
+    started when the tests were collected (offline_compile)."""
+    return offline_compile.results()
 
 
 @pytest.mark.parametrize("target", offline.ALL_TARGETS)

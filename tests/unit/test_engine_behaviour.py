@@ -395,8 +395,9 @@ def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype
     gemm._set_call_state()
     gemm._gemm = FakeFunction(body=reference_gemm_ex(gemm_type.api))
     weight_dtype = np.dtype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
-    x = rng.standard_normal((5, 96), dtype=np.float32)
-    w = rng.standard_normal((40, 96), dtype=np.float32).astype(weight_dtype)
+    # Device arrays as the fake cupy makes them (a float32 x of the weight's dtype is used as is).
+    x = rng.standard_normal((5, 96), dtype=np.float32).view(HostArray)
+    w = rng.standard_normal((40, 96), dtype=np.float32).astype(weight_dtype).view(HostArray)
     y = gemm(x, w)
     assert y.dtype == np.float32 and y.shape == (5, 40)
     want = x.astype(weight_dtype).astype(np.float32) @ w.astype(np.float32).T
@@ -406,7 +407,7 @@ def test_graph_gemm_arguments_compute_x_times_weight_transposed(gemm_type, dtype
     with pytest.raises(TypeError, match="float64"):
         gemm(x, w.astype(np.float64))
     # The same weight again: what was worked out at its first product serves (and is right).
-    x2 = rng.standard_normal((3, 96), dtype=np.float32)
+    x2 = rng.standard_normal((3, 96), dtype=np.float32).view(HostArray)
     np.testing.assert_allclose(np.asarray(gemm(x2, w)),
                                x2.astype(weight_dtype).astype(np.float32)
                                @ w.astype(np.float32).T, rtol=1e-5, atol=1e-4)
