@@ -119,9 +119,14 @@ class DecodeVariant(_TwoPhase):
     cache: str | None = None  # None: cache dtype = query dtype; FP8_CACHE: fp8 codes
     source_file = "decode.cu"
     # Partitioning hints for the planner: the fewest tokens a partition should hold, and how many
-    # workgroups per multiprocessor to aim for before splitting sequences further.
+    # workgroups per multiprocessor to aim for before splitting sequences further. 8, not the
+    # tensor-core kernels' 2: this kernel computes on CUDA cores, one row tile per workgroup, and
+    # more of them in flight hide its latency. On the H200 (sweeps of v20 in docs/perf-log.md)
+    # 8 gave the best partition size, or within 0.5% of it, on every bench shape at GQA 8 in
+    # float16, float32 and head 96, and 0.58-0.83x the time of 4's choice on the mid-size
+    # shapes (1 x 32768, 8 x 4096, 16 x 16384, 32 x 2048, 64 x 4096).
     min_partition = 256
-    workgroups_per_sm = 4
+    workgroups_per_sm = 8
     shared_bytes = 0  # static shared memory only
 
     @property
