@@ -63,29 +63,26 @@ def pytest_addoption(parser):
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselection reads the marker
 def pytest_collection_modifyitems(config, items):
     for item in items:  # the gpu marker by folder, so `-m gpu` selects the GPU suite
         if GPU_DIR in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.gpu)
-    shard = config.getoption("--shard")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """After -k / -m deselection: this process's shard of what will run, and the offline
+    compile started now in its worker processes, the tests reading it moved last."""
+    items = session.items
+    shard = session.config.getoption("--shard")
     if shard:
         index, count = (int(x) for x in shard.split("/"))
         if not 0 <= index < count:
             raise pytest.UsageError(f"--shard {shard}: need 0 <= I < N")
         keep = [item for n, item in enumerate(items) if n % count == index]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        session.config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
-    compile_last(items)
-
-
-def compile_last(items):
-    """Start the offline compile in its worker processes now and run the tests that read it
-    last, so that it overlaps the rest of the suite (tests/helpers/offline_compile.py)."""
-    import offline_compile
-    file_name, test_name = offline_compile.RESULTS_TEST
-    reading = [item for item in items if Path(str(item.fspath)).name == file_name
-               and getattr(item, "originalname", None) == test_name]
-    if not reading:
-        return
-    items[:] = [item for item in items if item not in reading] + reading
-    offline_compile.start()
+    if not session.config.option.collectonly:
+        import offline_compile
+        offline_compile.run_last_and_start(items)

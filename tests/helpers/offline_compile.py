@@ -9,6 +9,8 @@ starts it first when nothing did, e.g. when only tests/offline runs).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cupa.__main__ import start_compile
 from cupa.gpu import offline
 
@@ -30,6 +32,19 @@ def start() -> None:
     if _run is None:
         usable = [a for a in offline.ALL_TARGETS if not missing_for(a)]
         _run = start_compile(usable, representative=not offline.full_compile_requested())
+
+
+def run_last_and_start(items: list) -> None:
+    """Move the collected items of RESULTS_TEST to the end of `items` (in place) and, if there
+    are any, start the compile now, so that it overlaps every test before them."""
+    file_name, test_name = RESULTS_TEST
+    reading = [item for item in items if Path(str(item.fspath)).name == file_name
+               and getattr(item, "originalname", None) == test_name]
+    if not reading:
+        return
+    chosen = set(map(id, reading))
+    items[:] = [item for item in items if id(item) not in chosen] + reading
+    start()
 
 
 def results() -> dict:

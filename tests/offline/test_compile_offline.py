@@ -12,6 +12,7 @@ skip (cupy's nvrtc module is hipRTC there).
 
 import os
 import subprocess
+import types
 
 import offline_compile
 import pytest
@@ -70,6 +71,27 @@ def test_variants_compile(results, target):
     assert compiled == len(expected) > 0
     assert not failed, f"{len(failed)} variants failed on {target}:\n" + "\n".join(
         f"{name}: {detail[:2000]}" for name, detail in list(failed.items())[:3])
+
+
+def test_the_compile_starts_after_collection_and_its_tests_run_last(monkeypatch):
+    """run_last_and_start moves the items that read the compile to the end, keeping every
+    other item's order, and starts the compile only when such items were collected."""
+    started = []
+    monkeypatch.setattr(offline_compile, "start", lambda: started.append(True))
+    file_name, test_name = offline_compile.RESULTS_TEST
+
+    def item(path, name):
+        return types.SimpleNamespace(fspath=path, originalname=name)
+
+    reading = [item(f"tests/offline/{file_name}", test_name) for _ in range(2)]
+    others = [item("tests/unit/test_a.py", "test_x"), item(f"tests/offline/{file_name}", "other"),
+              item("tests/unit/test_b.py", test_name)]
+    items = [others[0], reading[0], others[1], reading[1], others[2]]
+    offline_compile.run_last_and_start(items)
+    assert items == others + reading and started == [True]
+    items = list(others)
+    offline_compile.run_last_and_start(items)
+    assert items == others and started == [True]
 
 
 def test_representative_subset_covers_every_kind_of_variant():

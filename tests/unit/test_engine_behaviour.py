@@ -212,6 +212,32 @@ def test_every_step_kind_goes_through_write_then_attend(tiny, monkeypatch):
         assert calls == [5, 2, 2]  # the prefill's 5 tokens, then two decode steps of 2 rows
 
 
+def test_eager_steps_plan_once_per_batch_size_and_planned_length(tiny, monkeypatch):
+    """An eager step's attention is one cupa.plan_decode plan, kept while the batch size and the
+    planned length (the longest sequence rounded up to PLAN_HINT_STEP) stay the same, over
+    block tables as wide as that length; the tokens are those of a roomier engine that plans
+    afresh (a cache with larger blocks, so other table widths and plans)."""
+    planned = []
+    real = cupa.plan_decode
+
+    def recording(query, key_cache, value_cache, block_tables, seq_lens, **kwargs):
+        planned.append((query.shape[0], kwargs["max_seq_len"], block_tables.shape[1]))
+        return real(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
+
+    monkeypatch.setattr(cupa, "plan_decode", recording)
+    step = engine_module.PLAN_HINT_STEP
+    # 250 + 10 tokens cross one planned length; the second sequence stops after 4, so the batch
+    # shrinks once too.
+    prompts, new = [list(range(1, 251)), [7, 8]], [10, 4]
+    engine = numpy_engine(tiny, 64, 8, graphs=False)
+    seqs = generate(engine, prompts, new)
+    assert planned == [(2, step, step // 8), (1, step, step // 8), (1, 2 * step, 2 * step // 8)]
+    assert engine.stats.decode_steps == 9
+    monkeypatch.setattr(cupa, "plan_decode", real)
+    other = generate(numpy_engine(tiny, 32, 32, graphs=False), prompts, new)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in other]
+
+
 def test_baseline_attention_moved_out_of_the_engine():
     from llm.baseline_attention import naive_decode_attention
     assert naive_decode_attention.__module__ == "llm.baseline_attention"

@@ -74,3 +74,37 @@ def test_an_engine_with_the_fused_kernels_matches_the_array_expressions(cpu_kern
     assert fused_ids == plain_ids
     for want, got in zip(plain_logits, fused_logits):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_split_qkv_keeps_its_views_of_a_given_buffer(cpu_kernels, qwen2, rng):
+    """split_qkv into the same buffer returns the same q / k / v views (a decode step's layers
+    all split into one), with this call's values; another buffer or no buffer gets its own.
+    Checked against the array expressions (Model without fused ops) with fresh inputs."""
+    model, _ = load_model(qwen2, backend="numpy", progress=False)
+    cfg, ops = model.config, fused.FusedOps("float32")
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    bias = model.weights.layers[0].qkv_bias
+
+    def split(tokens, out):
+        qkv = rng.standard_normal((tokens, width), dtype=np.float32)
+        positions = rng.integers(0, 200, tokens)
+        got = ops.split_qkv(qkv, ops.rope_tables(positions, model.inv_freq), cfg.num_heads,
+                            cfg.num_kv_heads, cfg.head_dim, bias=bias, out=out)
+        want = model.split_qkv(qkv + bias.astype(np.float32), model.rotary(positions))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            assert np.linalg.norm(g - w) <= 1e-6 * np.linalg.norm(w)
+        return got
+
+    a = np.full(2 * width, np.nan, np.float32)
+    b = np.full(3 * width, np.nan, np.float32)
+    first = split(2, a)
+    assert all(view.base is a for view in first)
+    again = split(2, a)
+    assert all(x is y for x, y in zip(first, again))
+    other = split(3, b)
+    assert all(view.base is b for view in other)
+    back = split(2, a)
+    assert all(view.base is a for view in back)
+    fresh = split(2, None), split(2, None)
+    assert all(x.base is not y.base for x, y in zip(*fresh))

@@ -130,6 +130,24 @@ def test_small_batches_split_long_sequences():
     assert plan.max_partitions * plan.partition_size >= 32768
 
 
+@pytest.mark.parametrize("batch, seq_len, best", [
+    # The partition size the v20 sweep found fastest (or within 0.5% of it) for the portable
+    # kernel at GQA 8 on the H200 (docs/perf-log.md v20 step 2), the same in float16, float32
+    # and head 96: about 8 workgroups a multiprocessor.
+    (1, 4096, 256), (1, 32768, 256), (8, 4096, 256), (16, 16384, 2048), (32, 2048, 512),
+    (64, 4096, 2048), (128, 1024, 1024), (256, 2048, 2048),
+])
+@pytest.mark.parametrize("dtype, head_size", [("float16", 128), ("float32", 128),
+                                              ("float16", 96)])
+def test_portable_partitions_are_the_measured_best(switch, batch, seq_len, best, dtype,
+                                                   head_size):
+    switch("CUPA_KERNEL", "portable")
+    plan = make_plan(shape(batch=batch, seq_len=seq_len, dtype=dtype, head_size=head_size),
+                     H200_SMS, arch="sm_90", max_seq_len=seq_len)
+    assert isinstance(plan.variant, catalogue.DecodeVariant) and plan.variant.rows == 8
+    assert plan.partition_size == best
+
+
 def test_length_hint_and_window_shrink_partitions():
     capacity_plan = make_plan(shape(seq_len=131072), H200_SMS, arch="sm_90")
     hinted = make_plan(shape(seq_len=131072), H200_SMS, arch="sm_90", max_seq_len=4096)
