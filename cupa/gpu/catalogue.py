@@ -123,7 +123,7 @@ class DecodeVariant(_TwoPhase):
     # tensor-core kernels' 2: this kernel computes on CUDA cores, one row tile per workgroup, and
     # more of them in flight hide its latency. On the H200 (sweeps of v20 in docs/perf-log.md)
     # 8 gave the best partition size, or within 0.5% of it, on every bench shape at GQA 8 in
-    # float16, float32 and head 96, and 0.58-0.83x the time of 4's choice on the mid-size
+    # float16, float32 and head 96, and 0.59-0.82x the time of 4's choice on the mid-size
     # shapes (1 x 32768, 8 x 4096, 16 x 16384, 32 x 2048, 64 x 4096).
     min_partition = 256
     workgroups_per_sm = 8

@@ -265,7 +265,8 @@ class FusedOps:
         self._suffix = OUTPUT_KERNEL_SUFFIX[self.out_dtype]
         self._float32 = {}  # id(array) -> (array, float32 copy): norm weights, biases, cast once
         # split_qkv's latest (out, problem, (q, k, v) views of out): a decode step's layers all
-        # split into one buffer, and four array views a layer are a tenth of its host time.
+        # split into one buffer, and making four views a layer cost ~1.3 L of host time (a bare
+        # launch's; docs/perf-log.md v20).
         self._split_views = (None, None, None)
 
     def as_float32(self, weight):
