@@ -10,6 +10,10 @@
 All prompts run as one continuous batch. Text (or token ids) streams to stdout as it is generated
 (to stderr with --json, which prints one JSON object per prompt on stdout and nothing else).
 Runs on the GPU through cupy when one is present, else on numpy (float32).
+
+--tensor-parallel N splits the model over N GPUs, one process each (NCCL; several hosts: see
+the README), rank 0 printing; on the numpy backend it simulates the N ranks as threads of this
+process, which gives the same tokens.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from llm.cli_args import (OneLineArgumentParser, non_negative_float, non_negativ
                           one_line_warnings, positive_int, probability, report)
 from llm.config import (ConfigError, InvalidPromptError, check_prompt_ids,  # noqa: E402
                         load_config)
+from llm.collectives import minimum_over_ranks  # noqa: E402
 from llm.engine import Engine  # noqa: E402
+from llm.launcher import LaunchError, run_tensor_parallel  # noqa: E402
 from llm.runtime import (block_bytes, calibrate_kv_scales, default_num_blocks,  # noqa: E402
-                         load_model, make_cache, resolve_kv_format)
+                         load_model, make_cache, resolve_backend, resolve_kv_format)
 from llm.sampling import SamplingParams  # noqa: E402
+from llm.tensor_parallel import ROOT_RANK, check_tensor_parallel  # noqa: E402
 from llm.tokenizer import TextStream, load_tokenizer, tokenizers_available  # noqa: E402
 from llm.weights import CheckpointError  # noqa: E402
 
@@ -104,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch every decode step's kernels from Python instead of replaying "
                         "captured CUDA graphs (graphs are the default on a CUDA GPU; the numpy "
                         "backend never uses them)")
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="split the model over N GPUs, one process each: query and KV heads and "
+                        "the MLP are divided, so num_attention_heads, num_key_value_heads and "
+                        "intermediate_size must be multiples of N (default 1). On the numpy "
+                        "backend the N ranks are simulated as threads of this process")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt on stdout (streaming goes to stderr)")
     p.add_argument("--quiet", action="store_true", help="no streaming output")
@@ -158,7 +170,14 @@ def memory_bytes(backend: str) -> int | None:
         return None
 
 
-def main(argv=None) -> int:
+def rank_report(group, error) -> int:
+    """report(error), naming the rank in a tensor-parallel run (where each rank reports)."""
+    return report(error if group is None else f"rank {group.rank} of {group.world}: {error}")
+
+
+def main(argv=None, group=None) -> int:
+    """The program; with `group` (a collectives process group, set by the launcher), one
+    tensor-parallel rank of it."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.prompts:
@@ -182,13 +201,27 @@ def main(argv=None) -> int:
             parser.error(f"--prompt needs a tokenizer but {why}; pass --prompt-ids instead")
         prompts = [tokenizer.encode(p) if kind == "text" else p for kind, p in args.prompts]
         check_prompt_ids(prompts, config)
-        model, backend = load_model(args.model, backend=args.backend, dtype=args.dtype)
+        check_tensor_parallel(config, args.tensor_parallel)
+        if args.tensor_parallel > 1 and group is None:
+            # The ranks (threads on numpy, else one process per GPU) each run main(argv, group).
+            backend = resolve_backend(args.backend)
+            if backend != "gpu":
+                print(f"note: numpy backend: the {args.tensor_parallel} tensor-parallel ranks "
+                      "are simulated as threads of this process", file=sys.stderr)
+            return run_tensor_parallel(args.tensor_parallel, backend, main,
+                                       sys.argv[1:] if argv is None else argv)
+        model, backend = load_model(args.model, backend=args.backend, dtype=args.dtype,
+                                    progress=group is None or group.rank == ROOT_RANK,
+                                    group=group)
     # Only errors about the user's input: config.json, the checkpoint, the prompts, files that
     # cannot be read, options this backend refuses (ValueError, RuntimeError: e.g. --backend gpu
-    # without a GPU).
+    # without a GPU, or fewer GPUs than --tensor-parallel).
     except (ConfigError, CheckpointError, InvalidPromptError, OSError, ValueError,
-            RuntimeError) as e:
-        return report(e)
+            RuntimeError, LaunchError) as e:
+        return rank_report(group, e)
+    # Tensor parallel: every rank runs the rest with the same arguments (so the same requests,
+    # scheduling and collectives); rank 0 alone prints.
+    printing = group is None or group.rank == ROOT_RANK
 
     kv_format = resolve_kv_format(args.kv_format, backend)
     if kv_format is None and args.kv_scale != "calibrate":
@@ -206,38 +239,51 @@ def main(argv=None) -> int:
     else:
         num_blocks = default_num_blocks(model, args.block_size, lengths, backend,
                                         kv_format=kv_format)
+        if group is not None:  # the same cache size on every rank: the same scheduling
+            num_blocks = minimum_over_ranks(group, num_blocks)
     need, limit = num_blocks * block_bytes(model, args.block_size, kv_format), memory_bytes(backend)
     blocks_from = "--num-blocks" if args.num_blocks is not None else "the default for the prompts"
     if limit is not None and need > limit:
-        return report(f"a KV cache of {num_blocks} blocks ({blocks_from}) needs "
-                      f"{need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB of memory "
-                      f"here: lower --num-blocks or --max-new-tokens")
+        return rank_report(group, f"a KV cache of {num_blocks} blocks ({blocks_from}) needs "
+                                  f"{need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} "
+                                  f"GiB of memory here: lower --num-blocks or --max-new-tokens")
     try:
         cache = make_cache(model, num_blocks, args.block_size, backend, kv_format=kv_format,
                            k_scale=k_scale, v_scale=v_scale)
     except MemoryError:
-        return report(f"a KV cache of {num_blocks} blocks ({blocks_from}, {need / 2**30:.1f} "
-                      "GiB) could not be allocated: lower --num-blocks or --max-new-tokens")
+        return rank_report(group, f"a KV cache of {num_blocks} blocks ({blocks_from}, "
+                                  f"{need / 2**30:.1f} GiB) could not be allocated: lower "
+                                  "--num-blocks or --max-new-tokens")
     cfg = model.config
     log = sys.stderr if args.json else sys.stdout
     storage = (f"{kv_format}, scales K {_scales(cache.k_scale)} V {_scales(cache.v_scale)}"
                if kv_format else model.dtype.name)
-    print(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
-          f"{cfg.num_heads}/{cfg.num_kv_heads}, vocab {cfg.vocab_size} | backend {backend}, "
-          f"{model.dtype.name} | {len(prompts)} prompts, KV cache {num_blocks} blocks x "
-          f"{args.block_size} tokens ({storage})", file=sys.stderr)
+    world = 1 if group is None else group.world
+    # A rank's model has heads / N: the header shows the whole model's.
+    split = f" | tensor parallel {world} (per rank heads {cfg.num_heads}/{cfg.num_kv_heads})" \
+        if world > 1 else ""
+    if printing:
+        print(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+              f"{cfg.num_heads * world}/{cfg.num_kv_heads * world}, vocab {cfg.vocab_size} | "
+              f"backend {backend}, {model.dtype.name} | {len(prompts)} prompts, KV cache "
+              f"{num_blocks} blocks x {args.block_size} tokens ({storage}){split}",
+              file=sys.stderr)
 
-    streamer = None if args.quiet else Streamer(tokenizer, log, tagged=len(prompts) > 1)
+    streamer = None if args.quiet or not printing else Streamer(tokenizer, log,
+                                                                 tagged=len(prompts) > 1)
     if streamer is not None and len(prompts) == 1 and tokenizer is not None:
         log.write(tokenizer.decode(prompts[0]))
     engine = Engine(model, cache, eos_ids=cfg.eos_token_ids, max_batch=args.max_batch,
-                    on_token=streamer, backend=backend, graphs=False if args.no_graphs else None)
+                    on_token=streamer, backend=backend, graphs=False if args.no_graphs else None,
+                    group=group)
     start = time.perf_counter()
     seqs = [engine.add_request(p, params, seed=args.seed) for p in prompts]
     engine.run()
     elapsed = time.perf_counter() - start
     if streamer is not None:
         streamer.end()
+    if not printing:
+        return 0
 
     for i, seq in enumerate(seqs):
         if seq.finish_reason == "cache_too_small":

@@ -34,6 +34,7 @@ from .graphs import DecodeGraphs, StepRows, bucket_for, graph_blocker, resolve_g
 from .model import Model
 from .sampling import SamplingParams, sample, sequence_rng
 from .step_attention import decode_query, layer_caches, paged_decode_formats, write_then_attend
+from .tensor_parallel import ROOT_RANK
 
 from cupa import OutOfBlocksError
 
@@ -118,15 +119,22 @@ class Engine:
     possible (GPU, paged attention), falling back to eager steps with a RuntimeWarning if a
     capture fails on this platform; True = required (ValueError where impossible, RuntimeError if
     a capture fails); False = eager.
+    group: the tensor-parallel process group (collectives.py) when `model` and `cache` are one
+    rank's part (None: one GPU, no collectives). Every rank runs the same Engine on the same
+    requests, so it makes the same scheduling decisions; rank 0 samples and broadcasts the
+    chosen ids, so every rank appends the same tokens, sampled ones included. With a group a
+    graph capture that fails raises (as with graphs=True): a rank falling back to eager steps
+    alone could make collectives the other ranks do not.
     """
 
     def __init__(self, model: Model, cache, *, eos_ids=(), attention="paged", max_batch=256,
                  max_prefill_tokens=8192, on_token=None, on_logits=None, backend=None,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, group=None):
         if attention not in ("paged", "naive"):
             raise ValueError(f"attention must be 'paged' or 'naive', got {attention!r}")
         self.use_graphs = resolve_graphs(graphs, graph_blocker(
             on_gpu=model.xp is not np and cache.backend == "gpu", attention=attention))
+        self.group = group if group is not None and group.world > 1 else None
         self._graphs_required = graphs is True
         self._graphs = None  # DecodeGraphs, made at the first graph step
         self._eager_gemms: dict = {}  # stream pointer -> the BLAS matmul of eager forwards
@@ -430,10 +438,14 @@ class Engine:
             return None
 
     def _graphs_failed(self, error: Exception, doing: str) -> None:
-        """graphs=True raises; the default (None) warns once and turns graphs off, so the step
-        and the ones after it run eagerly."""
+        """graphs=True (or tensor parallel) raises; the default (None) warns once and turns
+        graphs off, so the step and the ones after it run eagerly."""
         platform = "ROCm/HIP" if blas.gpu_is_hip() else "CUDA"
         what = f"{doing} a decode graph failed on {platform} ({type(error).__name__}: {error})"
+        if self.group is not None:
+            raise RuntimeError(f"rank {self.group.rank} of {self.group.world}: {what}; tensor "
+                               f"parallel cannot fall back to eager steps on one rank alone: "
+                               f"pass graphs=False (--no-graphs) on every rank") from error
         if self._graphs_required:
             raise RuntimeError(f"graphs=True: {what}; pass graphs=None to fall back to eager "
                                f"decode steps, or graphs=False") from error
@@ -454,14 +466,10 @@ class Engine:
         """argmax: the rows' argmax when already computed (graph steps)."""
         if self.on_logits is not None:
             self.on_logits(seqs, logits)
-        if all(s.params.greedy for s in seqs):
-            # Only the ids cross to the host (the sync also makes step timings honest).
-            if argmax is None:
-                argmax = self.xp.argmax(logits, axis=-1)
-            chosen = _to_host(argmax).tolist()
+        if self.group is None:
+            chosen = self._choose(seqs, logits, argmax)
         else:
-            host = _to_host(logits)
-            chosen = [sample(host[i], s.params, s.rng) for i, s in enumerate(seqs)]
+            chosen = self._root_choice(seqs, logits, argmax)
         for seq, token in zip(seqs, chosen):
             seq.output_ids.append(int(token))
             self.stats.generated_tokens += 1
@@ -473,6 +481,26 @@ class Engine:
                 self._finish(seq, "length")
             elif seq.num_tokens >= self.model.config.max_seq_len:
                 self._finish(seq, "length")
+
+    def _choose(self, seqs, logits, argmax) -> list[int]:
+        """The next token of every sequence: greedy, or sampled on the host."""
+        if all(s.params.greedy for s in seqs):
+            # Only the ids cross to the host (the sync also makes step timings honest).
+            if argmax is None:
+                argmax = self.xp.argmax(logits, axis=-1)
+            return _to_host(argmax).tolist()
+        host = _to_host(logits)
+        return [sample(host[i], s.params, s.rng) for i, s in enumerate(seqs)]
+
+    def _root_choice(self, seqs, logits, argmax) -> list[int]:
+        """Rank 0's choice on every rank (tensor parallel): the other ranks' logits are the
+        same all-reduced sums, but only a broadcast makes their tokens the same for certain,
+        sampled ones included."""
+        group = self.group
+        ids = np.zeros(len(seqs), dtype=np.int64)
+        if group.rank == ROOT_RANK:
+            ids[:] = self._choose(seqs, logits, argmax)
+        return _to_host(group.broadcast(group.xp.asarray(ids), root=ROOT_RANK)).tolist()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -28,6 +28,11 @@ How it fits together:
   these; constants such as fp8 scales were uploaded when the cache and plans were made, and a
   warm-up run of the same step before the capture compiles every kernel. cupy refuses to record
   its cuBLAS calls, so the captured forward's matmuls go to cublasGemmEx directly (cublas.py).
+- Tensor parallel: the model's `reduce` hook (its all-reduces, collectives.NcclGroup) runs on
+  the current stream, which during the warm-up and the capture is self.stream, so the NCCL
+  all-reduces are recorded in the graph and every replay runs them; every rank captures and
+  replays the same buckets at the same steps, so the ranks' collectives pair up. Written for
+  NCCL / RCCL, not run on two GPUs.
 - ROCm: cupy's docstrings call stream capture CUDA-only, but cupy-rocm's runtime forwards
   cudaStreamBeginCapture / EndCapture / GraphInstantiate / GraphLaunch to their HIP twins, so the
   same code runs there with hipblasGemmEx for the matmuls (hipblas.py; blas.graph_gemm_type

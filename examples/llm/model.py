@@ -8,6 +8,11 @@ Attention is not done here: `forward` calls `attend(layer, q, k, v)` for each la
 model runs prefill (dense causal attention + cache writes), paged decode (cupa) and the naive
 gather-based decode of the benchmark.
 
+Tensor parallelism (tensor_parallel.py) needs one hook: `reduce`, applied to the attention's
+output projection and to the MLP's down projection before their residual adds. A rank's model
+holds its heads and MLP units only, so those two outputs are partial sums; `reduce` all-reduces
+them (collectives.py). Without it (one GPU) nothing changes.
+
 On the GPU the elementwise chains (RMS norm, rotary embedding, SiLU) run as fused kernels
 (fused.py) with the same float32 arithmetic: a decode step is mostly kernel launches otherwise.
 The array expressions below remain the numpy path and the definition of what they compute.
@@ -26,9 +31,13 @@ from .weights import ModelWeights
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, xp, dtype, *, fused=None):
-        """fused: use the fused GPU kernels (default: on for cupy; numpy has none)."""
+    def __init__(self, config: ModelConfig, weights: ModelWeights, xp, dtype, *, fused=None,
+                 reduce=None):
+        """fused: use the fused GPU kernels (default: on for cupy; numpy has none).
+        reduce(y) -> y summed over the tensor-parallel ranks (in place or not), for the float32
+        [T, hidden] outputs of every layer's o and down projections; None: a single rank."""
         self.config, self.weights, self.xp = config, weights, xp
+        self.reduce = reduce
         self.dtype = np.dtype(dtype)                       # weight / KV-cache dtype
         self.inv_freq = xp.asarray(rope_inv_freq(config))  # float32 [head_dim // 2]
         self.scale = config.head_dim ** -0.5
@@ -242,11 +251,15 @@ class Model:
             q, k, v = self.attention_inputs(h, layer, rope, matmul, b)
             attn = attend(index, q, k, v)
             o = self.linear(attn.reshape(n, -1), layer.o, layer.o_bias, matmul, b and b.o)
+            if self.reduce is not None:  # the ranks' heads' partial sums (o_bias: rank 0 only)
+                o = self.reduce(o)
             x, h = self.add_rms_norm(x, o, layer.post_norm, b and (b.residual[0], b.h))
 
             gate_up = self.linear(h, layer.gate_up, layer.gate_up_bias, matmul, b and b.gate_up)
             act = self.silu_mul(gate_up, b and b.act)
             down = self.linear(act, layer.down, layer.down_bias, matmul, b and b.down)
+            if self.reduce is not None:
+                down = self.reduce(down)
             x, h = self.add_rms_norm(x, down, next_norm, b and (b.residual[1], b.h))
         if last_rows is not None:
             h = h[last_rows]

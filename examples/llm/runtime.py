@@ -13,6 +13,7 @@ from . import blas
 from .config import load_config
 from .engine import blocks_to_run_together
 from .model import Model
+from .tensor_parallel import checkpoint_slicer, shard_config
 from .weights import load_weights
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -78,14 +79,23 @@ def compute_dtype(backend: str, checkpoint_dtype: str, requested: str = "auto") 
     return dtype
 
 
-def load_model(model_dir, *, backend=None, dtype="auto", progress=True) -> tuple[Model, str]:
-    """(model, resolved backend) for a checkpoint directory."""
+def load_model(model_dir, *, backend=None, dtype="auto", progress=True,
+               group=None) -> tuple[Model, str]:
+    """(model, resolved backend) for a checkpoint directory. With a process group of more than
+    one rank (collectives.py), this rank's tensor-parallel part of it: its heads and MLP units
+    only (tensor_parallel.py), read from the checkpoint without loading the rest, and a model
+    that all-reduces its partial sums over the group."""
     backend = resolve_backend(backend)
     config = load_config(model_dir)
     xp = array_module(backend)
     dt = compute_dtype(backend, config.torch_dtype, dtype)
-    weights = load_weights(model_dir, config, xp, dt, progress=progress)
-    return Model(config, weights, xp, dt), backend
+    if group is None or group.world == 1:
+        weights = load_weights(model_dir, config, xp, dt, progress=progress)
+        return Model(config, weights, xp, dt), backend
+    slicer = checkpoint_slicer(config, group.rank, group.world)
+    weights = load_weights(model_dir, config, xp, dt, progress=progress, slice_tensor=slicer)
+    return Model(shard_config(config, group.world), weights, xp, dt,
+                 reduce=group.all_reduce_sum), backend
 
 
 def block_bytes(model: Model, block_size: int, kv_format=None) -> int:

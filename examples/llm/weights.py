@@ -426,12 +426,16 @@ class _Progress:
                   f"{time.perf_counter() - self.start:.1f} s" + " " * 20, file=sys.stderr)
 
 
-def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True) -> ModelWeights:
+def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True,
+                 slice_tensor=None) -> ModelWeights:
     """Load a checkpoint into arrays of module `xp` (numpy or cupy) and dtype `dtype`.
 
     Every header, byte range, tensor name, dtype and shape is checked before anything is built
     (CheckpointError); tensors the model does not use and weights holding NaN or infinity are
-    reported with a CheckpointWarning."""
+    reported with a CheckpointWarning. slice_tensor(name, array) -> the part of each tensor to
+    load, or None to drop it (one tensor-parallel rank's: tensor_parallel.checkpoint_slicer);
+    it is applied to the memory map, so only that part is read, converted and uploaded. The
+    checks are against the full `config` either way."""
     model_dir = Path(model_dir)
     source, entries = read_checkpoint(model_dir)
     unused = check_checkpoint(source, entries, config, str(model_dir / "config.json"))
@@ -441,15 +445,23 @@ def load_weights(model_dir, config: ModelConfig, xp, dtype, *, progress=True) ->
                       CheckpointWarning, stacklevel=2)
     needed = expected_tensors(config)
     tensors = map_tensors({name: entries[name] for name in needed})
-    total_bytes = sum(t.nbytes for t in tensors.values())
-    bar = _Progress(len(tensors), total_bytes, progress)
+
+    def part(name):
+        """What to load of a tensor: all of it, or the slice's view (None: nothing)."""
+        return tensors[name] if slice_tensor is None else slice_tensor(name, tensors[name])
+
+    total_bytes = sum(p.nbytes for p in map(part, tensors) if p is not None)
+    bar = _Progress(sum(part(name) is not None for name in tensors), total_bytes, progress)
     non_finite = []
 
     def get(name):
         """The tensor as an xp array of `dtype`; None for one the config does not use (a bias)."""
         if name not in tensors:
             return None
-        host = tensors[name]
+        host = part(name)
+        if host is None:
+            return None
+        host = np.ascontiguousarray(host)  # a column share is a strided view (else no copy)
         bar.advance(host.nbytes)
         if has_non_finite(host, entries[name].dtype):
             non_finite.append(name)
