@@ -108,6 +108,12 @@ class _TwoPhase:
     def reduce_instantiation(self) -> str:
         return f"CUPA_REDUCE_VARIANT({self.reduce_name}, {DTYPES[self.dtype][1]})"
 
+    def partition_instantiation(self, macro: str, tile: int) -> str:
+        """`macro`(entry name, query type, cache type, head size, row tile): the phase-1 line
+        of the kernels whose macro takes their tile last (portable, AMD matrix cores)."""
+        return (f"{macro}({self.partition_name}, {DTYPES[self.dtype][1]}, "
+                f"{_cache_type(self.dtype, self.cache)}, {self.head_size}, {tile})")
+
 
 @dataclass(frozen=True)
 class DecodeVariant(_TwoPhase):
@@ -139,9 +145,7 @@ class DecodeVariant(_TwoPhase):
         return f"cupa_decode_{self.tag}_d{self.head_size}_h{self.heads}"
 
     def instantiations(self) -> list[str]:
-        ctype = DTYPES[self.dtype][1]
-        return [f"CUPA_DECODE_VARIANT({self.partition_name}, {ctype}, "
-                f"{_cache_type(self.dtype, self.cache)}, {self.head_size}, {self.heads})",
+        return [self.partition_instantiation("CUPA_DECODE_VARIANT", self.heads),
                 self.reduce_instantiation()]
 
 
@@ -297,9 +301,7 @@ class DecodeMatrixVariant(_TwoPhase):
         return f"cupa_decode_xmma{self.tiles}_{self.tag}_d{self.head_size}"
 
     def instantiations(self) -> list[str]:
-        ctype = DTYPES[self.dtype][1]
-        return [f"CUPA_DECODE_MATRIX_VARIANT({self.partition_name}, {ctype}, "
-                f"{_cache_type(self.dtype, self.cache)}, {self.head_size}, {self.tiles})",
+        return [self.partition_instantiation("CUPA_DECODE_MATRIX_VARIANT", self.tiles),
                 self.reduce_instantiation()]
 
 

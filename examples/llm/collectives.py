@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from cupa.arrays import to_host
+
 # Environment of every NCCL process. NVLink SHARP (NVLS) algorithms allocate NVLink multicast
 # objects; this engine never creates multicast objects, so NCCL is told not to either (it then
 # uses its ring / tree algorithms, over NVLink all the same).
@@ -28,6 +30,13 @@ NCCL_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0"}
 # Longest wait at a ThreadGroup barrier: a rank that never arrives is a bug (a collective that
 # the other ranks do not make), which must fail the run instead of hanging it.
 SIMULATION_BARRIER_TIMEOUT_S = 300.0
+
+
+def _require_c_contiguous(array) -> None:
+    """all_reduce_sum writes the sum into `array` itself, which a strided view cannot take."""
+    if not array.flags.c_contiguous:
+        raise ValueError("all_reduce_sum: the array must be C-contiguous (it is reduced in "
+                         "place)")
 
 
 class NcclGroup:
@@ -48,9 +57,7 @@ class NcclGroup:
                                                           host=host, port=port)
 
     def all_reduce_sum(self, array):
-        if not array.flags.c_contiguous:
-            raise ValueError("all_reduce_sum: the array must be C-contiguous (it is reduced in "
-                             "place)")
+        _require_c_contiguous(array)
         self._comm.all_reduce(array, array, op="sum")  # in place, on the current stream
         return array
 
@@ -81,9 +88,7 @@ class ThreadGroup:
         self.local_rank = rank
 
     def all_reduce_sum(self, array):
-        if not array.flags.c_contiguous:
-            raise ValueError("all_reduce_sum: the array must be C-contiguous (it is reduced in "
-                             "place)")
+        _require_c_contiguous(array)
         meeting = self._meeting
         meeting.slots[self.rank] = array.copy()
         meeting.barrier.wait()  # every rank's part is in
@@ -147,7 +152,4 @@ def minimum_over_ranks(group, value: int) -> int:
     slot of a zero vector)."""
     slots = np.zeros(group.world, dtype=np.int64)
     slots[group.rank] = value
-    gathered = group.all_reduce_sum(group.xp.asarray(slots))
-    host = gathered.get() if hasattr(gathered, "get") and not isinstance(
-        gathered, np.ndarray) else np.asarray(gathered)
-    return int(host.min())
+    return int(to_host(group.all_reduce_sum(group.xp.asarray(slots))).min())
