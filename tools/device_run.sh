@@ -77,8 +77,10 @@ merged = dict(runs[0], graphs=[True, False], results=runs[0]["results"] + runs[1
 PY
 fi
 if [ "$what" = breadth ]; then
-  # The "also within 10% of the best peer" configurations, one bench run each.
+  # The "also within 10% of the best peer" configurations, one bench run each;
+  # CUPA_BREADTH="group16 head64" runs only those.
   while read -r name flags; do
+    case " ${CUPA_BREADTH:-$name} " in *" $name "*) ;; *) continue ;; esac
     echo "== $name: $flags"
     timeout 170 python3 -m cupa bench $flags --json "$OUT/breadth_$name.json" </dev/null 2>&1 \
       | grep -v "^\s*\[\|INFO" | tail -12

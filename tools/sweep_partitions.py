@@ -5,6 +5,9 @@ on the GPU prints, per shape, the time at each partition size and the ratio of t
 planner's pick. Timings as in `python -m cupa bench` (L2 flushed by writing, median of --iters).
 
     python3 tools/sweep_partitions.py [--kv-format fp8_e4m3] [--query-len 4] [--shapes 1x4096,...]
+
+The dispatch switches pick kernels: CUPA_KERNEL=portable, CUPA_ROW_CHUNKS=always|never (more than
+8 query rows as 8-row chunks of the 8-column kernel, or on the 16-row kernel; cupa.gpu.dispatch).
 """
 import argparse
 import sys
@@ -18,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupa  # noqa: E402
 from cupa.bench.main import DEFAULT_SHAPES
 from cupa.bench.harness import Timer  # noqa: E402
-from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+from decode_problem import FP8_SCALE, add_problem_arguments, decode_problem  # noqa: E402
 
 
 _READ = r"""
@@ -52,6 +55,9 @@ def main():
     p.add_argument("--sizes", default="64,128,256,512,1024,2048,4096",
                    help="partition sizes to force (those >= the sequence are skipped)")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--check", action="store_true",
+                   help="also print ||out - ref|| / ||ref|| against cupa.reference (sequence 0 of "
+                        "each shape, at the planner's choice)")
     p.add_argument("--floors", action="store_true",
                    help="also time a plain streaming read of the same bytes and cupa with the "
                         "blocks in order (identity block tables), at the planner's choice")
@@ -75,6 +81,8 @@ def sweep_shape(cupy, timer, rng, batch, seq_len, sizes, args):
                                                    partition_size=partition_size, **options))
     chosen = cupa.plan_decode(query, key, value, tables, lens, **options).partition_size
     planner = time(None)
+    if args.check:
+        check(cupy, query, key, value, tables, lens, out, options, args)
     results = {s: time(s) for s in sizes if s < seq_len}
     if sizes:
         results[seq_len] = time(seq_len)
@@ -93,6 +101,24 @@ def sweep_shape(cupy, timer, rng, batch, seq_len, sizes, args):
     print(f"{batch}x{seq_len} [{label}] planner P={chosen}: {planner:.1f} us | {row} | "
           f"best P={best} {results[best]:.1f} us = {results[best] / planner:.3f}x planner",
           flush=True)
+
+
+def check(cupy, query, key, value, tables, lens, out, options, args):
+    """Prints the relative error of `out` (the last timed launch) for sequence 0 against the
+    float64 reference, on that sequence's blocks copied to the host."""
+    from cupa.reference import paged_decode_reference
+    q_len = args.query_len
+    n = int(cupy.asnumpy(cupy.asarray(lens))[0])
+    blocks = cupy.asnumpy(tables[0])[: -(-n // key.shape[2])]
+    k, v = (cupy.asnumpy(x[cupy.asarray(blocks)]) for x in (key, value))
+    if args.kv_format:
+        k, v = (cupa.dequantize_fp8(x, args.kv_format, FP8_SCALE) for x in (k, v))
+    ref, _ = paged_decode_reference(cupy.asnumpy(query[:q_len]), k, v,
+                                    np.arange(len(blocks))[None], [n],
+                                    query_start_loc=np.array([0, q_len]))
+    got = cupy.asnumpy(out[:q_len]).astype(np.float64)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"  check: ||out - ref|| / ||ref|| = {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -218,8 +218,8 @@ MMA_DTYPES = ("float16", "bfloat16")
 MMA_HEAD_SIZES = (64, 128, 256)
 MMA_HEAD_TILES = (8, 16)
 # The 16-row kernel keeps a 16-row tile's query fragments and output accumulators in registers:
-# at head 256 they alone would take 192 registers a thread, so more than 8 rows run the portable
-# kernel there.
+# at head 256 they alone would take 192 registers a thread, so more than 8 rows run there as
+# 8-row chunks of the 8-column kernel (3-7x faster than the portable kernel; docs/perf-log.md v21).
 MMA16_HEAD_SIZES = (64, 128)
 MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes
 

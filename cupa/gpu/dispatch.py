@@ -2,9 +2,9 @@
 are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; this says when
 each is used.
 
-The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_CHAINED_REDUCE) are for tests and
-benchmarks. They are read once, at first use; code that changes them within a process calls
-`reload_switches()` afterwards (plans made before keep what they were made with).
+The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_CHAINED_REDUCE) are for
+tests and benchmarks. They are read once, at first use; code that changes them within a process
+calls `reload_switches()` afterwards (plans made before keep what they were made with).
 """
 
 from __future__ import annotations
@@ -37,14 +37,30 @@ CHAINED_REDUCE_MIN_SM = 90
 # without clusters, so 64 of them took two waves (docs/perf-log.md v14).
 CLUSTER_MERGE_MIN_SM = 90
 PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
+# More than 8 query rows on a small problem run as row chunks of the 8-column kernel (8 rows a
+# workgroup) instead of the 16-row kernel: more workgroups, each with a shorter matrix and softmax
+# chain, but each K/V byte crosses from L2 to the multiprocessors once per chunk (the chunks of a
+# KV head sit side by side in the grid, so DRAM still serves it once). That pays while the
+# launch is latency-bound: the sequences' KV heads alone leave multiprocessors idle (the 16-row
+# plan splits sequences into partitions) and the chunks' reads together stay within
+# ROW_CHUNKS_MAX_BYTES_PER_SM. H200 (docs/perf-log.md v21), chunks x K/V bytes per multiprocessor:
+#   up to 1 MB always faster: group 16 at 1 x 4096 22.1 -> 15.9 us, 1 x 32768 43.9 -> 35.8; fp8
+#   1 x 4096 24.4 -> 14.4; 64 rows (MQA) 1 x 4096 34.9 -> 15.7;
+#   2 MB mixed (group 16 32 x 2048 54.2 -> 48.5, 16 x 4096 56.6 -> 60.0; MQA 32 x 2048 level);
+#   4 MB slower (group 16 16 x 8192 87.6 -> 110.1; MQA 128 x 1024 56.5 -> 96.8): the L2 traffic.
+ROW_CHUNKS_MAX_BYTES_PER_SM = 1 << 20
 KERNEL_FORMS = ("auto", "portable")  # CUPA_KERNEL; portable: never tensor or matrix cores
 MERGE_FORMS = ("auto", "cluster", "reduce")
+# CUPA_ROW_CHUNKS, where the 16-row kernel serves: auto (the rule above), always (8-row chunks of
+# the 8-column kernel), never (the 16-row kernel).
+ROW_CHUNK_FORMS = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
 class Switches:
     kernel: str = "auto"          # CUPA_KERNEL: auto, or portable (no tensor / matrix cores)
     merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce
+    row_chunks: str = "auto"      # CUPA_ROW_CHUNKS: auto, always or never (ROW_CHUNK_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
 
 
@@ -57,7 +73,10 @@ def switches() -> Switches:
     merge = os.environ.get("CUPA_MERGE", "auto")
     if merge not in MERGE_FORMS:
         raise ValueError(f"CUPA_MERGE: one of {MERGE_FORMS}, got {merge!r}")
-    return Switches(kernel=kernel, merge=merge,
+    row_chunks = os.environ.get("CUPA_ROW_CHUNKS", "auto")
+    if row_chunks not in ROW_CHUNK_FORMS:
+        raise ValueError(f"CUPA_ROW_CHUNKS: one of {ROW_CHUNK_FORMS}, got {row_chunks!r}")
+    return Switches(kernel=kernel, merge=merge, row_chunks=row_chunks,
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0")
 
 
@@ -70,8 +89,6 @@ def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
     this target."""
     if switches().kernel == "portable" or sm_number(arch) < MMA_MIN_SM:
-        return False
-    if rows > 8 and head_size not in MMA16_HEAD_SIZES:
         return False
     return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
 
@@ -97,6 +114,19 @@ def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
             and 1 < max_partitions <= largest)
 
 
+def chunks_rows(variant, rows: int, seq_kv_heads: int, kv_bytes: int, multiprocessors: int) -> bool:
+    """Whether a problem the 16-row tensor-core kernel would serve runs as row chunks of the
+    8-column kernel instead (see ROW_CHUNKS_MAX_BYTES_PER_SM). seq_kv_heads: sequences x KV
+    heads; kv_bytes: the K/V bytes the launch reads (an estimate from the length hints)."""
+    if not (isinstance(variant, DecodeMmaVariant) and variant.heads == 16):
+        return False
+    if switches().row_chunks != "auto":
+        return switches().row_chunks == "always"
+    chunks = -(-rows // 8)
+    return (seq_kv_heads < variant.workgroups_per_sm * multiprocessors
+            and chunks * kv_bytes <= ROW_CHUNKS_MAX_BYTES_PER_SM * multiprocessors)
+
+
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
                    kv_format: str | None = None, *, matrix_cores: bool = True):
     """The phase-1 variant for a problem on a target: `rows` = query rows per KV head (GQA group
@@ -106,7 +136,9 @@ def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
     if mma_eligible(dtype, head_size, rows, arch):
         if kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM:
             cache = FP8_E4M3_NATIVE
-        return DecodeMmaVariant(dtype, head_size, 8 if rows <= 8 else 16, cache)
+        # Head sizes the 16-row kernel lacks take more rows in row chunks of the 8-column one.
+        sixteen = rows > 8 and head_size in MMA16_HEAD_SIZES
+        return DecodeMmaVariant(dtype, head_size, 16 if sixteen else 8, cache)
     if matrix_cores and matrix_eligible(dtype, head_size, arch):
         if kv_format is not None and kv_format == amd_native_fp8(arch):
             cache = FP8_AMD_NATIVE  # the target's own fp8 conversion

@@ -91,15 +91,18 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     if trusted is not None and not trusted(variant):
         variant = dispatch.decode_variant(shape.dtype, shape.head_size, rows, arch,
                                           shape.kv_format, matrix_cores=False)
-    head_chunks = -(-rows // variant.rows)
     capacity = shape.capacity
+    longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
+    if shape.sliding_window:  # only the window's partitions do work
+        longest = min(longest, shape.sliding_window)
+    fill = batch_fill(shape.num_seqs, longest, total_seq_len)
+    if dispatch.chunks_rows(variant, rows, shape.num_seqs * shape.num_kv_heads,
+                            kv_read_bytes(shape, longest, fill), multiprocessors):
+        variant = dispatch.decode_variant(shape.dtype, shape.head_size, 8, arch, shape.kv_format)
+    head_chunks = -(-rows // variant.rows)
     if partition_size is None:
-        longest = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
-        if shape.sliding_window:  # only the window's partitions do work
-            longest = min(longest, shape.sliding_window)
         per_seq = shape.num_kv_heads * head_chunks
         workgroups = shape.num_seqs * per_seq
-        fill = batch_fill(shape.num_seqs, longest, total_seq_len)
         # The variant says how short a partition may be (below that the fixed cost of a
         # workgroup outweighs the parallelism) and how many workgroups a multiprocessor should
         # get: long partitions at that density beat shorter ones filling every slot (sweeps in
@@ -119,8 +122,10 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
         # pairs lose bandwidth with half the workgroups (8 x 32768: 258.1 -> 266.9 us), and so
         # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us);
-        # docs/perf-log.md v14.
-        if (uniform and splits > 2 and variant.rows == 8
+        # docs/perf-log.md v14. Not for row chunks, which read half the bytes of those
+        # workgroups and want the parallelism (group 16 at 8 x 4096: 33.8 us in 4 partitions
+        # and a reduce, 41.1 us paired; v21).
+        if (uniform and splits > 2 and variant.rows == 8 and head_chunks == 1
                 and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
             pair = _round_up(-(-longest // 2), variant.min_partition)
             if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
@@ -149,6 +154,13 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
                       cluster_merge=dispatch.merges_in_cluster(variant, arch, max_partitions))
+
+
+def kv_read_bytes(shape: DecodeShape, longest: int, fill: float) -> int:
+    """The K/V bytes a launch reads, from the longest length and the batch's fill."""
+    itemsize = 1 if shape.kv_format else 4 if shape.dtype == "float32" else 2
+    tokens = round(fill * shape.num_seqs * longest)
+    return 2 * tokens * shape.num_kv_heads * shape.head_size * itemsize
 
 
 def _splits(wanted: int, workgroups: int, per_seq: int, fill: float) -> int:

@@ -31,20 +31,33 @@ def to_gpu(case):
     return [cupy.asarray(x) for x in case.args()], case.options(cupy.asarray)
 
 
+# The kernel modes the tests run, as the dispatch switches that select them.
+KERNEL_MODES = {"auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto"),
+                "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto"),
+                "16-row": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never"),
+                "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always")}
+
+
 def kernel_modes(case):
     """'auto' picks the tensor-core (NVIDIA) or matrix-core (AMD) kernel where it applies;
-    check the portable one there too. CUPA_TEST_KERNEL_MODES=auto checks 'auto' alone
-    (tools/device_run.sh emulated: its portable pairs cover the portable kernel)."""
+    check the portable one there too. Where the 16-row tensor-core kernel serves the rows,
+    'auto' picks it or 8-row chunks of the 8-column kernel by the problem's size: both are
+    checked in its place. CUPA_TEST_KERNEL_MODES=auto checks 'auto' alone (tools/device_run.sh
+    emulated: its portable pairs cover the portable kernel). Names for KERNEL_MODES."""
     if os.environ.get("CUPA_TEST_KERNEL_MODES") == "auto":
         return ("auto",)
     from cupa.gpu.device import device_info
     num_kv_heads, _, head_size = case.key_cache.shape[1:]
-    group = case.query.shape[1] // num_kv_heads
+    rows = case.query.shape[1] // num_kv_heads
+    if case.query_start_loc is not None:
+        rows *= int(np.diff(case.query_start_loc).max())
     dtype = np.dtype(case.query.dtype).name
     arch = device_info().target.arch
-    eligible = (dispatch.mma_eligible(dtype, head_size, group, arch)
-                or dispatch.matrix_eligible(dtype, head_size, arch))
-    return ("auto", "portable") if eligible else ("auto",)
+    mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
+    if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
+        return ("16-row", "row-chunks", "portable")
+    return ("auto", "portable") if mma or dispatch.matrix_eligible(dtype, head_size, arch) \
+        else ("auto",)
 
 
 # (partition size, merge form): forced short partitions merged by the reduce launch and within
@@ -94,7 +107,7 @@ def run_and_check(case, dtype, **kwargs):
         for partition_size, merge in PARTITIONINGS:
             size = capacity if partition_size == "capacity" else partition_size
             where = f"kernel={mode}, partition_size={size}, merge={merge}"
-            with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
+            with environ(**KERNEL_MODES[mode], CUPA_MERGE=merge):
                 out = cupy.full(case.query.shape, np.nan, dtype=case.query.dtype)
                 result = cupa.decode(*args, **options, out=out, partition_size=size, **kwargs)
                 assert result is out
@@ -258,7 +271,7 @@ def test_block_ids_outside_the_cache_are_left_out(rng, dtype, head_size, group, 
     ref, _ = paged_decode_reference(case.query, case.key_cache, case.value_cache, kept, lens)
     for mode in kernel_modes(case):
         for partition_size in (None, 128):
-            with environ(CUPA_KERNEL=mode):
+            with environ(**KERNEL_MODES[mode]):
                 out = cupa.decode(*args, out=poisoned_out(case), partition_size=partition_size)
             out = cupy.asnumpy(out).astype(np.float64)
             where = f"kernel={mode}, partition_size={partition_size}"

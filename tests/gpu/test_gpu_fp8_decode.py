@@ -17,7 +17,7 @@ from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
 from cases import FP8_REL_BOUND, environ, make_case, poison_fp8, quantized_case, rel_error
-from test_gpu_decode import PARTITION, check_lse, kernel_modes, planned
+from test_gpu_decode import KERNEL_MODES, PARTITION, check_lse, kernel_modes, planned
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
@@ -45,7 +45,7 @@ def check_fp8_codes(case, fmt, codes, dequantized, scales):
         for partition_size, merge in ((PARTITION, "reduce"), (PARTITION, "cluster"),
                                       (None, "auto")):
             where = f"kernel={mode}, partition_size={partition_size}, merge={merge}, {fmt}"
-            with environ(CUPA_KERNEL=mode, CUPA_MERGE=merge):
+            with environ(**KERNEL_MODES[mode], CUPA_MERGE=merge):
                 out = cupy.full(q.shape, np.nan, dtype=q.dtype)
                 assert cupa.decode(*args, **device_options, **fp8, out=out,
                                    partition_size=partition_size) is out

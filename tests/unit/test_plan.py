@@ -38,7 +38,7 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 96, 4, "gfx942", "cupa_decode_f16_d96_h4"),       # head 96: portable
     ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
     ("float16", 96, 3, "sm_90", "cupa_decode_f16_d96_h4"),        # head 96: portable, tile 4
-    ("bfloat16", 256, 12, "sm_90", "cupa_decode_bf16_d256_h8"),   # 16-row tiles stop at head 128
+    ("bfloat16", 256, 12, "sm_90", "cupa_decode_mma8_bf16_d256"),  # no 16-row kernel: row chunks
     ("bfloat16", 256, 8, "sm_90", "cupa_decode_mma8_bf16_d256"),
     ("float16", 256, 2, "sm_80", "cupa_decode_mma8_f16_d256"),
 ])
@@ -98,17 +98,18 @@ def test_forcing_the_portable_kernel(switch):
 
 
 def test_row_chunks_cover_the_group():
-    plan = make_plan(shape(heads=64, kv_heads=1), H200_SMS, arch="sm_90")
+    big = dict(batch=64, seq_len=4096, kv_heads=1)  # too big for 8-column row chunks
+    plan = make_plan(shape(heads=64, **big), H200_SMS, arch="sm_90")
     assert plan.variant.heads == 16 and plan.variant.rows == 64 and plan.head_chunks == 1
-    plan = make_plan(shape(heads=128, kv_heads=1), H200_SMS, arch="sm_90")
-    assert plan.head_chunks == 2
+    plan = make_plan(shape(heads=128, **big), H200_SMS, arch="sm_90")
+    assert plan.variant.heads == 16 and plan.head_chunks == 2
     plan = make_plan(shape(heads=12, kv_heads=1, head_size=96), H200_SMS, arch="sm_90")
     assert plan.variant.heads == 8 and plan.head_chunks == 2
 
 
 def test_row_chunks_cover_every_new_token():
     # group 8 x 4 new tokens = 32 rows: one 64-row mma16 workgroup; portable: 4 chunks of 8.
-    plan = make_plan(shape(), H200_SMS, arch="sm_90", max_query_len=4)
+    plan = make_plan(shape(batch=16), H200_SMS, arch="sm_90", max_query_len=4)
     assert plan.variant.heads == 16 and plan.head_chunks == 1 and plan.max_query_len == 4
     plan = make_plan(shape(), H200_SMS, arch="gfx942", max_query_len=4)
     assert plan.variant.rows == 32 and plan.head_chunks == 1  # two 16-row matrix tiles
@@ -116,6 +117,62 @@ def test_row_chunks_cover_every_new_token():
     assert plan.variant.heads == 8 and plan.head_chunks == 4  # portable: chunks of 8
     plan = make_plan(shape(heads=8, kv_heads=8), H200_SMS, arch="sm_90", max_query_len=3)
     assert plan.variant.heads == 8 and plan.head_chunks == 1  # MHA, 3 tokens: 3 rows
+
+
+@pytest.mark.parametrize("batch, seq_len, heads, kv_heads, query_len, head_size, chunks", [
+    # The 16-row kernel's problems that were faster as 8-row chunks on the H200 (v21), chunks x
+    # K/V bytes at most 1 MB per multiprocessor and fewer (sequence, KV head) pairs than slots:
+    (1, 4096, 64, 4, 1, 128, 2),      # group 16: 22.1 -> 15.9 us
+    (8, 4096, 64, 4, 1, 128, 2),      # 38.3 -> 34.3
+    (1, 32768, 64, 4, 1, 128, 2),     # 43.9 -> 35.8 (64 MiB, 2 chunks: 0.97 MiB each)
+    (1, 4096, 32, 8, 4, 128, 2),      # group 4 x 4 new tokens: 26.7 -> 21.6
+    (1, 4096, 64, 8, 4, 128, 4),      # group 8 x 4 new tokens: 30.1 -> 26.0
+    (8, 4096, 64, 1, 1, 128, 8),      # MQA: 36.4 -> 31.6
+    (32, 2048, 64, 4, 1, 64, 2),      # head 64, group 16: 33.9 -> 32.2
+    # ... and those that were slower or level stay on the 16-row kernel:
+    (32, 2048, 64, 4, 1, 128, 1),     # 2 MB per multiprocessor (mixed: this one 54.2 -> 48.5)
+    (16, 4096, 64, 4, 1, 128, 1),     # 56.6 -> 60.0
+    (16, 8192, 64, 4, 1, 128, 1),     # 87.6 -> 110.1
+    (128, 1024, 64, 4, 1, 128, 1),    # 512 (sequence, KV head) pairs fill the machine
+    (128, 1024, 64, 1, 1, 128, 1),    # MQA, 4 MB: 56.5 -> 96.8
+    (1, 32768, 32, 8, 4, 128, 1),     # 2 MB (mixed: 62.0 -> 56.1)
+    # ... except at head 256, which has no 16-row kernel (the portable kernel was 3-7x slower):
+    (256, 2048, 64, 4, 1, 256, 2),
+    (64, 4096, 64, 1, 1, 256, 8),
+])
+def test_small_problems_run_row_chunks_of_the_eight_column_kernel(
+        batch, seq_len, heads, kv_heads, query_len, head_size, chunks):
+    problem = DecodeShape(num_seqs=batch, num_tokens=batch * query_len, num_heads=heads,
+                          num_kv_heads=kv_heads, head_size=head_size,
+                          num_blocks=batch * seq_len // 16, block_size=16,
+                          max_blocks_per_seq=seq_len // 16, dtype="float16", scale=0.1,
+                          has_alibi=False, multi_token=query_len > 1)
+    plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
+                     max_query_len=query_len)
+    assert isinstance(plan.variant, catalogue.DecodeMmaVariant)
+    assert (plan.variant.heads, plan.head_chunks) == ((8, chunks) if chunks > 1 else (16, 1))
+    if chunks > 1 and head_size < 256:  # the 16-row plan would also split the sequences
+        assert not plan.cluster_merge  # and row chunks never pair partitions in clusters
+    # Without length hints the capacity counts as every sequence's length: the same here.
+    assert make_plan(problem, H200_SMS, arch="sm_90", max_query_len=query_len).head_chunks == \
+        plan.head_chunks
+
+
+def test_forcing_row_chunks_or_the_16_row_kernel(switch):
+    small, large = shape(kv_heads=4), shape(batch=64, kv_heads=4)  # group 16
+    assert make_plan(small, H200_SMS, arch="sm_90").head_chunks == 2
+    assert make_plan(large, H200_SMS, arch="sm_90").head_chunks == 1
+    switch("CUPA_ROW_CHUNKS", "always")
+    plan = make_plan(large, H200_SMS, arch="sm_90")
+    assert plan.variant.heads == 8 and plan.head_chunks == 2
+    switch("CUPA_ROW_CHUNKS", "never")
+    plan = make_plan(small, H200_SMS, arch="sm_90")
+    assert plan.variant.heads == 16 and plan.head_chunks == 1
+    # Head 256 has no 16-row kernel: row chunks whatever the switch says.
+    assert make_plan(shape(kv_heads=4, head_size=256), H200_SMS, arch="sm_90").head_chunks == 2
+    switch("CUPA_ROW_CHUNKS", "sometimes")
+    with pytest.raises(ValueError, match="CUPA_ROW_CHUNKS"):
+        make_plan(small, H200_SMS, arch="sm_90")
 
 
 def test_large_batches_use_one_partition():

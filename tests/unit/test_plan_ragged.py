@@ -36,8 +36,9 @@ OTHER_PLANS = {
     "head256": (dict(head_size=256), [
         (256, 16, False), (2048, 16, False), (2048, 2, True), (16384, 1, False),
         (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
+    # The first three as row chunks of the 8-column kernel since v21 (two per KV head).
     "group16": (dict(heads=64, kv_heads=4), [
-        (256, 16, False), (512, 64, False), (512, 8, False), (4096, 4, False),
+        (256, 16, False), (1024, 32, False), (1024, 4, False), (4096, 4, False),
         (1024, 2, True), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
     "group4": (dict(heads=32, kv_heads=8), LIKE_THE_MAIN_TABLE),
     "bf16": (dict(dtype="bfloat16"), LIKE_THE_MAIN_TABLE),
