@@ -92,6 +92,7 @@ bf16 --dtype bfloat16
 head64 --head-size 64
 block32 --block-size 32
 head256 --head-size 256
+head256_group16 --head-size 256 --heads 64 --kv-heads 4
 CONFIGS
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
