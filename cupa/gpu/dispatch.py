@@ -114,7 +114,8 @@ def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
             and 1 < max_partitions <= largest)
 
 
-def chunks_rows(variant, rows: int, seq_kv_heads: int, kv_bytes: int, multiprocessors: int) -> bool:
+def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
+                       multiprocessors: int) -> bool:
     """Whether a problem the 16-row tensor-core kernel would serve runs as row chunks of the
     8-column kernel instead (see ROW_CHUNKS_MAX_BYTES_PER_SM). seq_kv_heads: sequences x KV
     heads; kv_bytes: the K/V bytes the launch reads (an estimate from the length hints)."""

@@ -96,7 +96,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     if shape.sliding_window:  # only the window's partitions do work
         longest = min(longest, shape.sliding_window)
     fill = batch_fill(shape.num_seqs, longest, total_seq_len)
-    if dispatch.chunks_rows(variant, rows, shape.num_seqs * shape.num_kv_heads,
+    if dispatch.runs_as_row_chunks(variant, rows, shape.num_seqs * shape.num_kv_heads,
                             kv_read_bytes(shape, longest, fill), multiprocessors):
         variant = dispatch.decode_variant(shape.dtype, shape.head_size, 8, arch, shape.kv_format)
     head_chunks = -(-rows // variant.rows)
