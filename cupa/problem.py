@@ -52,6 +52,11 @@ class DecodeShape:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one cached K or V element: 1 for fp8 codes, else the storage dtype's."""
+        return 1 if self.kv_format else STORAGE_DTYPES[self.dtype].itemsize
+
+    @property
     def capacity(self) -> int:
         """Most tokens a sequence can hold with this block table width."""
         return self.max_blocks_per_seq * self.block_size

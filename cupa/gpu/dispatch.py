@@ -121,8 +121,9 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     heads; kv_bytes: the K/V bytes the launch reads (an estimate from the length hints)."""
     if not (isinstance(variant, DecodeMmaVariant) and variant.heads == 16):
         return False
-    if switches().row_chunks != "auto":
-        return switches().row_chunks == "always"
+    form = switches().row_chunks
+    if form != "auto":
+        return form == "always"
     chunks = -(-rows // 8)
     return (seq_kv_heads < variant.workgroups_per_sm * multiprocessors
             and chunks * kv_bytes <= ROW_CHUNKS_MAX_BYTES_PER_SM * multiprocessors)

@@ -158,9 +158,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
 
 def kv_read_bytes(shape: DecodeShape, longest: int, fill: float) -> int:
     """The K/V bytes a launch reads, from the longest length and the batch's fill."""
-    itemsize = 1 if shape.kv_format else 4 if shape.dtype == "float32" else 2
     tokens = round(fill * shape.num_seqs * longest)
-    return 2 * tokens * shape.num_kv_heads * shape.head_size * itemsize
+    return 2 * tokens * shape.num_kv_heads * shape.head_size * shape.kv_itemsize
 
 
 def _splits(wanted: int, workgroups: int, per_seq: int, fill: float) -> int:
