@@ -7,7 +7,9 @@ planner's pick. Timings as in `python -m cupa bench` (L2 flushed by writing, med
     python3 tools/sweep_partitions.py [--kv-format fp8_e4m3] [--query-len 4] [--shapes 1x4096,...]
 
 The dispatch switches pick kernels: CUPA_KERNEL=portable, CUPA_ROW_CHUNKS=always|never (more than
-8 query rows as 8-row chunks of the 8-column kernel, or on the 16-row kernel; cupa.gpu.dispatch).
+8 query rows as 8-row chunks of the 8-column kernel, or on the 16-row kernel),
+CUPA_DENSE=always|never (the 8-column kernel's dense form at head 64 and for fp8 at head 128,
+or its default form; cupa.gpu.dispatch).
 """
 import argparse
 import sys

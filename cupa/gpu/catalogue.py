@@ -158,13 +158,15 @@ class DecodeMmaVariant(_TwoPhase):
     (8-column kernel only) 256.
 
     heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
-    of one m-tile per warp (9-64 rows, and chunks of 64 of more).
+    of one m-tile per warp (9-64 rows, and chunks of 64 of more). dense: the 8-column kernel's
+    dense form (DENSE_RING), for the (cache, head size) pairs of DENSE_KINDS.
     """
 
     dtype: str
     head_size: int
     heads: int
     cache: str | None = None
+    dense: bool = False
     source_file = "decode_mma.cu"
     # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
     # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
@@ -182,17 +184,24 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def warp_steps(self) -> int:
         """16-token steps each warp computes side by side per chunk (KvRing::WARP_STEPS)."""
-        return 2 if self.cache and self.head_size == 128 else 1
+        return 2 if self.cache and self.head_size == 128 and not self.dense else 1
+
+    @property
+    def ring_stages(self) -> int:
+        """The stages the kernel's ring is given (KvRing's DENSE_STAGES): the dense form's, or
+        0 for the rule of KvRing (see shared_bytes)."""
+        return DENSE_RING["stages"] if self.dense else 0
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
         a chunk of K and V, 64 tokens or 128 for fp8 at head 128; 2 stages when K alone is
-        >= 32 KB, 3 when >= 16 KB, else 4; then twice as many slots of a chunk's int32 block
-        ids), which the warps' merge buffer reuses. The kernel traps if given less."""
+        >= 32 KB, 3 when >= 16 KB, else 4, or ring_stages; then twice as many slots of a chunk's
+        int32 block ids), which the warps' merge buffer reuses. The kernel traps if given
+        less."""
         chunk = 16 * (THREADS // 32) * self.warp_steps
         kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
-        stages = 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
+        stages = self.ring_stages or (2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (THREADS // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
         return max(ring, merge)
@@ -204,14 +213,19 @@ class DecodeMmaVariant(_TwoPhase):
 
     @property
     def partition_name(self) -> str:
-        return f"cupa_decode_mma{self.heads}_{self.tag}_d{self.head_size}"
+        dense = "_dense" if self.dense else ""
+        return f"cupa_decode_mma{self.heads}_{self.tag}_d{self.head_size}{dense}"
 
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
-        kernel = f"decode_partition_mma{self.heads}"
-        return [f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, {kernel}, {ctype}, "
-                f"{_cache_type(self.dtype, self.cache)}, {self.head_size})",
-                self.reduce_instantiation()]
+        cache = _cache_type(self.dtype, self.cache)
+        if self.dense:
+            phase1 = (f"CUPA_DECODE_MMA_DENSE_VARIANT({self.partition_name}, {ctype}, {cache}, "
+                      f"{self.head_size}, {DENSE_RING['stages']}, {DENSE_RING['workgroups']})")
+        else:
+            phase1 = (f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, "
+                      f"decode_partition_mma{self.heads}, {ctype}, {cache}, {self.head_size})")
+        return [phase1, self.reduce_instantiation()]
 
 
 MMA_DTYPES = ("float16", "bfloat16")
@@ -222,6 +236,15 @@ MMA_HEAD_TILES = (8, 16)
 # 8-row chunks of the 8-column kernel (3-7x faster than the portable kernel; docs/perf-log.md v21).
 MMA16_HEAD_SIZES = (64, 128)
 MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes
+# The dense form of the 8-column kernel (CUPA_DECODE_MMA_DENSE_VARIANT in decode_mma.cu): a ring of
+# 3 stages of 64-token chunks, one 16-token step a warp, registers capped by the launch bounds
+# for 4 workgroups a multiprocessor (16 warps), for these (cache, head size) pairs. On the H200
+# the default forms hold 3 workgroups at head 64 of a 16-bit cache (4 stages, 66 KB of ring and
+# ids, 142 registers) and 2 for hardware-widened fp8 at head 128 (3 stages of 128-token chunks,
+# 98 KB); the dense forms 4 (50 KB, 127 registers, no spills). When they serve is
+# dispatch.dense_form's business.
+DENSE_RING = {"stages": 3, "workgroups": 4}
+DENSE_KINDS = ((None, 64), (FP8_E4M3_NATIVE, 128))
 
 
 def all_decode_variants() -> list[DecodeVariant]:
@@ -233,9 +256,12 @@ def all_decode_variants() -> list[DecodeVariant]:
 
 
 def all_mma_variants() -> list[DecodeMmaVariant]:
-    return [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
-            for h in MMA_HEAD_TILES for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)
-            if h == 8 or d in MMA16_HEAD_SIZES]
+    plain = [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
+             for h in MMA_HEAD_TILES for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)
+             if h == 8 or d in MMA16_HEAD_SIZES]
+    dense = [DecodeMmaVariant(dtype, d, 8, cache, dense=True) for dtype in MMA_DTYPES
+             for cache, d in DENSE_KINDS]
+    return plain + dense
 
 
 # AMD matrix cores (decode_matrix.cu): the processors with a 16x16x16 f16/bf16 instruction of

@@ -2,9 +2,10 @@
 are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; this says when
 each is used.
 
-The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_CHAINED_REDUCE) are for
-tests and benchmarks. They are read once, at first use; code that changes them within a process
-calls `reload_switches()` afterwards (plans made before keep what they were made with).
+The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE,
+CUPA_CHAINED_REDUCE) are for tests and benchmarks. They are read once, at first use; code that
+changes them within a process calls `reload_switches()` afterwards (plans made before keep what
+they were made with).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import functools
 import os
 from dataclasses import dataclass
 
-from .catalogue import (FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE, MATRIX_DTYPES,
-                        MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES, MMA_DTYPES,
-                        MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, DecodeMatrixVariant,
+from .catalogue import (DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE,
+                        MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES,
+                        MMA_DTYPES, MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, DecodeMatrixVariant,
                         DecodeMmaVariant, DecodeVariant, amd_native_fp8, head_tile,
                         matrix_core_family, matrix_tiles, sm_number)
 
@@ -54,6 +55,21 @@ MERGE_FORMS = ("auto", "cluster", "reduce")
 # CUPA_ROW_CHUNKS, where the 16-row kernel serves: auto (the rule above), always (8-row chunks of
 # the 8-column kernel), never (the 16-row kernel).
 ROW_CHUNK_FORMS = ("auto", "always", "never")
+# The dense form of the 8-column kernel (catalogue.DENSE_RING: 4 workgroups a multiprocessor, 3
+# ring stages) where it exists (catalogue.DENSE_KINDS), on sm_90, for grids of at least this
+# many busy workgroups per multiprocessor. H200 (docs/perf-log.md v22), planner's choice,
+# default -> dense form:
+#   head 64, float16: 64 x 4096 146.5 -> 135.7 us (one wave of 512 workgroups instead of two),
+#   64 x 1024 54.6 -> 46.4, 128 x 1024 81.9 -> 78.9, 4 x 32768 80.5 -> 79.2, 256 x 2048 259.3 ->
+#   257.9, 16 x 16384 137.4 -> 136.5, 32 x 2048 46.3 -> 45.5, 1 x 32768 level; 128 workgroups,
+#   one a multiprocessor, need the deeper ring: 8 x 4096 31.2 -> 34.4 us;
+#   fp8 e4m3 at head 128 (the dense form has 64-token chunks, the default 128): 128 x 1024 87.2
+#   -> 83.7 us, 256 x 2048 271.9 -> 265.3, 64 x 4096 141.1 -> 139.9 (3.9 workgroups a
+#   multiprocessor); 16 x 16384 139.8 -> 140.5 and 1 x 32768 level (1.9); 8 x 4096 31.1 -> 36.0.
+DENSE_MIN_SM = 90
+DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
+# CUPA_DENSE: auto (the rule above), always (wherever the dense form exists) or never.
+DENSE_FORMS = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,7 @@ class Switches:
     kernel: str = "auto"          # CUPA_KERNEL: auto, or portable (no tensor / matrix cores)
     merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce
     row_chunks: str = "auto"      # CUPA_ROW_CHUNKS: auto, always or never (ROW_CHUNK_FORMS)
+    dense: str = "auto"           # CUPA_DENSE: auto, always or never (DENSE_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
 
 
@@ -76,7 +93,10 @@ def switches() -> Switches:
     row_chunks = os.environ.get("CUPA_ROW_CHUNKS", "auto")
     if row_chunks not in ROW_CHUNK_FORMS:
         raise ValueError(f"CUPA_ROW_CHUNKS: one of {ROW_CHUNK_FORMS}, got {row_chunks!r}")
-    return Switches(kernel=kernel, merge=merge, row_chunks=row_chunks,
+    dense = os.environ.get("CUPA_DENSE", "auto")
+    if dense not in DENSE_FORMS:
+        raise ValueError(f"CUPA_DENSE: one of {DENSE_FORMS}, got {dense!r}")
+    return Switches(kernel=kernel, merge=merge, row_chunks=row_chunks, dense=dense,
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0")
 
 
@@ -127,6 +147,22 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     chunks = -(-rows // 8)
     return (seq_kv_heads < variant.workgroups_per_sm * multiprocessors
             and chunks * kv_bytes <= ROW_CHUNKS_MAX_BYTES_PER_SM * multiprocessors)
+
+
+def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
+    """The dense form of `variant` if a launch of `workgroups` busy workgroups on this target
+    runs on it (see DENSE_FROM_WORKGROUPS_PER_SM), else None."""
+    if not (isinstance(variant, DecodeMmaVariant) and variant.heads == 8 and not variant.dense
+            and sm_number(arch) >= DENSE_MIN_SM):
+        return None
+    kind = (variant.cache, variant.head_size)
+    if kind not in DENSE_KINDS:
+        return None
+    form = switches().dense
+    if form == "never" or (form == "auto" and
+                           workgroups < DENSE_FROM_WORKGROUPS_PER_SM[kind] * multiprocessors):
+        return None
+    return DecodeMmaVariant(variant.dtype, variant.head_size, 8, variant.cache, dense=True)
 
 
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",

@@ -100,52 +100,23 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                             kv_read_bytes(shape, longest, fill), multiprocessors):
         variant = dispatch.decode_variant(shape.dtype, shape.head_size, 8, arch, shape.kv_format)
     head_chunks = -(-rows // variant.rows)
-    if partition_size is None:
-        per_seq = shape.num_kv_heads * head_chunks
-        workgroups = shape.num_seqs * per_seq
-        # The variant says how short a partition may be (below that the fixed cost of a
-        # workgroup outweighs the parallelism) and how many workgroups a multiprocessor should
-        # get: long partitions at that density beat shorter ones filling every slot (sweeps in
-        # docs/perf-log.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
-        # target is not worth a reduce.
-        wanted = variant.workgroups_per_sm * multiprocessors
-        splits = _splits(wanted, workgroups, per_seq, fill)
-        uniform = fill >= NEARLY_UNIFORM_FILL
-        # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
-        # two full waves; halved partitions make it three half-length waves.
-        per_sm = residency(variant) if residency is not None else None
-        resident = (per_sm or 0) * multiprocessors
-        if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
-            splits = 2
-        # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce
-        # launch for short one-token launches once two give about one workgroup per
-        # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
-        # pairs lose bandwidth with half the workgroups (8 x 32768: 258.1 -> 266.9 us), and so
-        # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us);
-        # docs/perf-log.md v14. Not for row chunks, which read half the bytes of those
-        # workgroups and want the parallelism (group 16 at 8 x 4096: 33.8 us in 4 partitions
-        # and a reduce, 41.1 us paired; v21).
-        if (uniform and splits > 2 and variant.rows == 8 and head_chunks == 1
-                and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
-            pair = _round_up(-(-longest // 2), variant.min_partition)
-            if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
-                    and dispatch.merges_in_cluster(variant, arch, 2)):
-                splits = 2
-        if splits == 1:
-            partition_size = capacity
-        else:
-            partition_size = max(variant.min_partition,
-                                 _round_up(-(-longest // splits), variant.min_partition))
-            # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
-            partition_size = max(partition_size, -(-capacity // MAX_GRID_YZ))
+    planned = partition_size is None
+    if planned:
+        partition_size = _planned_partition_size(shape, variant, head_chunks, multiprocessors,
+                                                 arch, longest, fill, residency)
     else:
-        partition_size = int(partition_size)
-        if partition_size < 1:
-            raise ValueError(f"partition_size: must be >= 1, got {partition_size}")
-        if -(-capacity // partition_size) > MAX_GRID_YZ:
-            raise ValueError(f"partition_size: {partition_size} gives more than {MAX_GRID_YZ} "
-                             f"partitions for capacity {capacity}; use at least "
-                             f"{-(-capacity // MAX_GRID_YZ)}")
+        partition_size = _forced_partition_size(partition_size, capacity)
+    # The dense form of the kernel where the grid has the workgroups for it; its own residency
+    # then plans the partitions again.
+    per_seq = shape.num_kv_heads * head_chunks
+    busy = round(fill * shape.num_seqs * per_seq * -(-longest // partition_size))
+    dense = dispatch.dense_form(variant, busy, multiprocessors, arch)
+    if dense is not None:
+        variant = dense
+        if planned:
+            partition_size = _planned_partition_size(shape, variant, head_chunks,
+                                                     multiprocessors, arch, longest, fill,
+                                                     residency)
     max_partitions = -(-capacity // partition_size)
     if max_partitions == 1:
         partition_size = capacity
@@ -154,6 +125,62 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
                       cluster_merge=dispatch.merges_in_cluster(variant, arch, max_partitions))
+
+
+def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multiprocessors: int,
+                            arch: str, longest: int, fill: float, residency) -> int:
+    """The planner's partition size for `variant` (see make_plan)."""
+    capacity = shape.capacity
+    per_seq = shape.num_kv_heads * head_chunks
+    workgroups = shape.num_seqs * per_seq
+    # The variant says how short a partition may be (below that the fixed cost of a
+    # workgroup outweighs the parallelism) and how many workgroups a multiprocessor should
+    # get: long partitions at that density beat shorter ones filling every slot (sweeps in
+    # docs/perf-log.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
+    # target is not worth a reduce.
+    wanted = variant.workgroups_per_sm * multiprocessors
+    splits = _splits(wanted, workgroups, per_seq, fill)
+    uniform = fill >= NEARLY_UNIFORM_FILL
+    # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
+    # two full waves; halved partitions make it three half-length waves.
+    per_sm = residency(variant) if residency is not None else None
+    resident = (per_sm or 0) * multiprocessors
+    if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
+        splits = 2
+    # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce
+    # launch for short one-token launches once two give about one workgroup per
+    # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
+    # pairs lose bandwidth with half the workgroups (8 x 32768: 258.1 -> 266.9 us), and so
+    # does the heavier 16-row kernel (4 new tokens on 8 x 4096: 64.2 -> 70.9 us);
+    # docs/perf-log.md v14. Not for row chunks, which read half the bytes of those
+    # workgroups and want the parallelism (group 16 at 8 x 4096: 33.8 us in 4 partitions
+    # and a reduce, 41.1 us paired; v21).
+    if (uniform and splits > 2 and variant.rows == 8 and head_chunks == 1
+            and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
+        pair = _round_up(-(-longest // 2), variant.min_partition)
+        if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
+                and dispatch.merges_in_cluster(variant, arch, 2)):
+            splits = 2
+    if splits == 1:
+        partition_size = capacity
+    else:
+        partition_size = max(variant.min_partition,
+                             _round_up(-(-longest // splits), variant.min_partition))
+        # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
+        partition_size = max(partition_size, -(-capacity // MAX_GRID_YZ))
+    return partition_size
+
+
+def _forced_partition_size(partition_size, capacity: int) -> int:
+    """A caller's partition size, checked."""
+    partition_size = int(partition_size)
+    if partition_size < 1:
+        raise ValueError(f"partition_size: must be >= 1, got {partition_size}")
+    if -(-capacity // partition_size) > MAX_GRID_YZ:
+        raise ValueError(f"partition_size: {partition_size} gives more than {MAX_GRID_YZ} "
+                         f"partitions for capacity {capacity}; use at least "
+                         f"{-(-capacity // MAX_GRID_YZ)}")
+    return partition_size
 
 
 def kv_read_bytes(shape: DecodeShape, longest: int, fill: float) -> int:

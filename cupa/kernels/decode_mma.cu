@@ -26,3 +26,15 @@
         cupa::allow_dependent_grid(); /* the reduce may start its setup now */                   \
         cupa::KERNEL<T, C, D>(CUPA_PARTITION_ARGS);                                              \
     }
+
+// A dense form of the 8-column kernel: a ring of STAGES stages of one step a warp and registers
+// capped so that WORKGROUPS workgroups share a multiprocessor (catalogue.DENSE_RING: 3 and 4;
+// the default forms hold 3 at head 64 and 2 for fp8 at head 128). More warps a multiprocessor,
+// fewer chunks in flight per workgroup: faster on grids with workgroups enough for them
+// (docs/perf-log.md v22).
+#define CUPA_DECODE_MMA_DENSE_VARIANT(NAME, T, C, D, STAGES, WORKGROUPS)                          \
+    extern "C" __global__ void __launch_bounds__(CUPA_THREADS, WORKGROUPS)                      \
+        NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
+        cupa::allow_dependent_grid();                                                            \
+        cupa::decode_partition_mma8<T, C, D, STAGES>(CUPA_PARTITION_ARGS);                       \
+    }

@@ -32,18 +32,25 @@ def to_gpu(case):
 
 
 # The kernel modes the tests run, as the dispatch switches that select them.
-KERNEL_MODES = {"auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto"),
-                "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto"),
-                "16-row": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never"),
-                "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always")}
+KERNEL_MODES = {"auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
+                "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto",
+                                 CUPA_DENSE="auto"),
+                "16-row": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never", CUPA_DENSE="auto"),
+                "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always",
+                                   CUPA_DENSE="never"),
+                # The dense form of the 8-column kernel (dispatch.dense_form) on any grid.
+                "dense": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="always")}
 
 
-def kernel_modes(case):
+def kernel_modes(case, kv_format=None):
     """'auto' picks the tensor-core (NVIDIA) or matrix-core (AMD) kernel where it applies;
     check the portable one there too. Where the 16-row tensor-core kernel serves the rows,
     'auto' picks it or 8-row chunks of the 8-column kernel by the problem's size: both are
-    checked in its place. CUPA_TEST_KERNEL_MODES=auto checks 'auto' alone (tools/device_run.sh
-    emulated: its portable pairs cover the portable kernel). Names for KERNEL_MODES."""
+    checked in its place. Where the 8-column kernel has a dense form (catalogue.DENSE_KINDS, for
+    the case's cache: 16-bit, or kv_format's fp8 codes), 'auto' picks it or the default form by
+    the grid's size: both are checked. CUPA_TEST_KERNEL_MODES=auto checks 'auto' alone
+    (tools/device_run.sh emulated: its portable pairs cover the portable kernel). Names for
+    KERNEL_MODES."""
     if os.environ.get("CUPA_TEST_KERNEL_MODES") == "auto":
         return ("auto",)
     from cupa.gpu.device import device_info
@@ -54,10 +61,13 @@ def kernel_modes(case):
     dtype = np.dtype(case.query.dtype).name
     arch = device_info().target.arch
     mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
+    eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
+    dense = ("dense",) if mma and (eight.cache, head_size) in catalogue.DENSE_KINDS else ()
     if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
-        return ("16-row", "row-chunks", "portable")
-    return ("auto", "portable") if mma or dispatch.matrix_eligible(dtype, head_size, arch) \
-        else ("auto",)
+        return ("16-row", "row-chunks", *dense, "portable")
+    if mma:
+        return ("auto", *dense, "portable")
+    return ("auto", "portable") if dispatch.matrix_eligible(dtype, head_size, arch) else ("auto",)
 
 
 # (partition size, merge form): forced short partitions merged by the reduce launch and within

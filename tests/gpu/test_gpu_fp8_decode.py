@@ -41,7 +41,7 @@ def check_fp8_codes(case, fmt, codes, dequantized, scales):
     args = [cupy.asarray(x) for x in (q, k8, v8, tables, lens)]
     device_options = case.options(cupy.asarray)
     fp8 = dict(kv_format=fmt, k_scale=k_scale, v_scale=v_scale)
-    for mode in kernel_modes(case):
+    for mode in kernel_modes(case, fmt):
         for partition_size, merge in ((PARTITION, "reduce"), (PARTITION, "cluster"),
                                       (None, "auto")):
             where = f"kernel={mode}, partition_size={partition_size}, merge={merge}, {fmt}"

@@ -50,6 +50,7 @@ class Draw:
     partition_size: int | None
     merge: str
     kernel: str
+    dense: str  # CUPA_DENSE
     host_arrays: bool
     form: str  # "decode", "plan" or "graph"
     seed: int
@@ -88,7 +89,8 @@ def draw(rng) -> Draw:
                 soft_cap=float(rng.uniform(5, 50)) if rng.random() < 0.15 else None,
                 sinks=rng.random() < 0.15, partition_size=partition_size,
                 merge=str(rng.choice(["auto", "reduce", "cluster"])),
-                kernel=str(rng.choice(["auto", "portable"])), host_arrays=rng.random() < 0.2,
+                kernel=str(rng.choice(["auto", "portable"])),
+                dense=str(rng.choice(["auto", "always"])), host_arrays=rng.random() < 0.2,
                 form=str(rng.choice(["decode", "plan", "graph"], p=[0.6, 0.3, 0.1])),
                 seed=int(rng.integers(2**31)))
 
@@ -116,7 +118,7 @@ def run_draw(d: Draw):
     args = [move(x) for x in (q, k, v, tables, lens)]
     device_options = case.options(move)
     lse = None
-    with environ(CUPA_KERNEL=d.kernel, CUPA_MERGE=d.merge):
+    with environ(CUPA_KERNEL=d.kernel, CUPA_MERGE=d.merge, CUPA_DENSE=d.dense):
         if d.form == "decode":  # into a poisoned `out` (decode's own lse is not poisoned)
             out = cupa.decode(*args, **device_options, **fp8, partition_size=d.partition_size,
                               out=move(np.full(q.shape, np.nan, q.dtype)))

@@ -185,10 +185,11 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
     checks = []
     for v in mma:
         cache = catalogue._cache_type(v.dtype, v.cache)
-        checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, {v.heads}>() "
-                   f"== {v.shared_bytes}, \"{v.partition_name}: shared bytes\");",
-                   f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::WARP_STEPS == "
-                   f"{v.warp_steps}, \"{v.partition_name}: steps per warp\");",
+        checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, {v.heads}, "
+                   f"{v.ring_stages}>() == {v.shared_bytes}, \"{v.partition_name}: shared "
+                   f"bytes\");",
+                   f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {v.ring_stages}>::"
+                   f"WARP_STEPS == {v.warp_steps}, \"{v.partition_name}: steps per warp\");",
                    f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
                    f"{max(SUPPORTED_BLOCK_SIZES)}, \"{v.partition_name}: block sizes\");"]
     checks.append(f"static_assert(cupa::MAX_CLUSTER == {catalogue.MAX_CLUSTER}, "

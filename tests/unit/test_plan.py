@@ -234,17 +234,90 @@ def test_forced_partition_size_covering_the_capacity_is_single():
 H200_LIMITS = dict(registers_per_sm=65536, shared_per_sm=233472, reserved_shared=1024)
 
 
-@pytest.mark.parametrize("dtype, head_size, heads, cache, registers, expected", [
-    ("float16", 128, 8, None, 160, 2),                    # the 98 KB ring limits it
-    ("float16", 128, 8, catalogue.FP8_E4M3_NATIVE, 147, 2),  # 128-token chunks: the same ring
-    ("float16", 64, 8, None, 98, 3),
-    ("float16", 64, 8, catalogue.FP8_E4M3_NATIVE, 91, 5),  # registers limit it
-    ("float16", 128, 16, None, 203, 2),                   # registers and ring both
+@pytest.mark.parametrize("dtype, head_size, heads, cache, dense, registers, expected", [
+    ("float16", 128, 8, None, False, 160, 2),                    # the 98 KB ring limits it
+    ("float16", 128, 8, catalogue.FP8_E4M3_NATIVE, False, 147, 2),  # 128-token chunks: same ring
+    ("float16", 64, 8, None, False, 98, 3),
+    ("float16", 64, 8, catalogue.FP8_E4M3_NATIVE, False, 91, 5),  # registers limit it
+    ("float16", 128, 16, None, False, 203, 2),                   # registers and ring both
+    ("float16", 64, 8, None, True, 127, 4),  # the dense form: a 3-stage ring, 128 registers
 ])
-def test_residency_of_the_tensor_core_kernels(dtype, head_size, heads, cache, registers, expected):
+def test_residency_of_the_tensor_core_kernels(dtype, head_size, heads, cache, dense, registers,
+                                              expected):
     from cupa.gpu.occupancy import workgroups_per_sm
-    v = catalogue.DecodeMmaVariant(dtype, head_size, heads, cache)
+    v = catalogue.DecodeMmaVariant(dtype, head_size, heads, cache, dense=dense)
     assert workgroups_per_sm(registers, v.shared_bytes, catalogue.THREADS, **H200_LIMITS) == expected
+
+
+def h200_residency(variant):
+    """Workgroups a multiprocessor of the H200 holds (measured, tools/kernel_regs.py) of the
+    variants these tests plan: 4 of the dense forms; of the default forms, 3 at head 64 of a
+    16-bit cache and 2 for fp8 at head 128."""
+    return 4 if variant.dense else 3 if variant.head_size == 64 else 2
+
+
+@pytest.mark.parametrize("kv_format, head_size, batch, seq_len, dense, partition_size", [
+    # Head 64, float16, GQA 8 on the H200 (v22; default form -> dense form, planner's choice):
+    (None, 64, 64, 4096, True, 4096),    # 146.5 -> 135.7 us: one wave of 512 workgroups, not two
+    (None, 64, 64, 1024, True, 1024),    # 54.6 -> 46.4
+    (None, 64, 128, 1024, True, 1024),   # 81.9 -> 78.9
+    (None, 64, 256, 2048, True, 2048),   # 259.3 -> 257.9
+    (None, 64, 16, 16384, True, 8192),   # 137.4 -> 136.5
+    (None, 64, 32, 2048, True, 2048),    # 46.3 -> 45.5
+    (None, 64, 4, 32768, True, 4096),    # 80.5 -> 79.2
+    (None, 64, 1, 32768, True, 1024),    # level
+    # ... fewer workgroups than multiprocessors keep the default form's deeper ring:
+    (None, 64, 8, 4096, False, 2048),    # 128 workgroups: 31.2 against 34.4 dense
+    (None, 64, 1, 4096, False, 256),     # 128 workgroups: 14.0 (13.6 dense)
+    # fp8 e4m3 at head 128: from 3 busy workgroups a multiprocessor (the default form holds 2)
+    ("fp8_e4m3", 128, 128, 1024, True, 1024),   # 87.2 -> 83.7
+    ("fp8_e4m3", 128, 256, 2048, True, 2048),   # 271.9 -> 265.3
+    ("fp8_e4m3", 128, 64, 4096, True, 4096),    # 141.1 -> 139.9
+    ("fp8_e4m3", 128, 16, 16384, False, 8192),  # 139.8 (140.5 dense): 256 workgroups
+    ("fp8_e4m3", 128, 1, 32768, False, 1024),   # level
+    ("fp8_e4m3", 128, 8, 4096, False, 2048),    # 31.1 (36.0 dense)
+])
+def test_the_dense_form_serves_grids_with_the_workgroups_for_it(
+        kv_format, head_size, batch, seq_len, dense, partition_size):
+    for dtype in ("float16", "bfloat16"):
+        plan = make_plan(shape(batch, seq_len, head_size=head_size, dtype=dtype,
+                               kv_format=kv_format), H200_SMS, arch="sm_90",
+                         residency=h200_residency)
+        assert (plan.variant.dense, plan.partition_size) == (dense, partition_size)
+        assert plan.variant.partition_name.endswith("_dense") == dense
+        assert plan.variant.cache == (kv_format and catalogue.FP8_E4M3_NATIVE)
+
+
+def test_every_dense_form_has_its_rule():
+    assert set(dispatch.DENSE_FROM_WORKGROUPS_PER_SM) == set(catalogue.DENSE_KINDS)
+    for v in catalogue.all_mma_variants():
+        if v.dense:  # one step a warp, 3 stages: under a quarter of the shared memory
+            assert v.warp_steps == 1 and v.ring_stages == catalogue.DENSE_RING["stages"]
+            assert 4 * (v.shared_bytes + 1024) <= catalogue.SM90_SHARED_PER_SM
+
+
+def test_the_dense_form_only_where_it_exists(switch):
+    large = shape(128, 1024, head_size=64)
+    assert make_plan(large, H200_SMS, arch="sm_90").variant.dense
+    # Not on sm_80 (164 KB of shared memory: 3 such rings), not for fp8 at head 64 (its ring is
+    # small already) or software-widened fp8, not for 16-bit caches at other head sizes, not
+    # for the 16-row kernel.
+    assert not make_plan(large, H200_SMS, arch="sm_80").variant.dense
+    fp8 = shape(128, 1024, head_size=64, kv_format="fp8_e4m3")
+    assert not make_plan(fp8, H200_SMS, arch="sm_90").variant.dense
+    fnuz = shape(128, 1024, kv_format="fp8_e4m3fnuz")
+    assert not make_plan(fnuz, H200_SMS, arch="sm_90").variant.dense
+    assert make_plan(shape(128, 1024, kv_format="fp8_e4m3"), H200_SMS, arch="sm_90").variant.dense
+    assert not make_plan(shape(128, 1024), H200_SMS, arch="sm_90").variant.dense
+    sixteen = make_plan(shape(128, 1024, head_size=64, kv_heads=4), H200_SMS, arch="sm_90")
+    assert sixteen.variant.heads == 16 and not sixteen.variant.dense
+    switch("CUPA_DENSE", "always")
+    assert make_plan(shape(1, 4096, head_size=64), H200_SMS, arch="sm_90").variant.dense
+    switch("CUPA_DENSE", "never")
+    assert not make_plan(large, H200_SMS, arch="sm_90").variant.dense
+    switch("CUPA_DENSE", "sometimes")
+    with pytest.raises(ValueError, match="CUPA_DENSE"):
+        make_plan(large, H200_SMS, arch="sm_90")
 
 
 def test_planner_halves_partitions_of_a_grid_just_over_one_wave():

@@ -99,10 +99,10 @@ template <> struct Frag<cupa_fp8_e4m3> : Fp8Frag<cupa_fp8_e4m3> {};
 
 // The K and V words of one warp step, as loaded. K_ROWS_INNER picks the matrix order of K (and
 // the other one for V): the 8-column kernel takes K as an A operand (rows inner), the 16-row
-// kernel as B operands (units inner).
-template <typename C, int D, bool K_ROWS_INNER>
+// kernel as B operands (units inner). DENSE_STAGES: the ring's (KvRing).
+template <typename C, int D, bool K_ROWS_INNER, int DENSE_STAGES = 0>
 struct KvStep {
-    typedef KvRing<C, D> R;
+    typedef KvRing<C, D, DENSE_STAGES> R;
     typedef Frag<C> F;
     static constexpr int BLOCKS = R::ROW_BYTES / 32;  // 32-byte column blocks of a row
     u32 k[BLOCKS][4], v[BLOCKS][4];
@@ -155,9 +155,10 @@ struct KvStep {
 };
 
 // Bytes of dynamic shared memory a kernel needs: the ring, reused by the warps' merge buffer.
-template <typename C, int D, int TILE_ROWS>
+template <typename C, int D, int TILE_ROWS, int DENSE_STAGES = 0>
 __host__ __device__ constexpr int mma_shared_bytes() {
-    return cmax(KvRing<C, D>::BYTES, (CUPA_THREADS / 32) * TILE_ROWS * D * (int)sizeof(float));
+    return cmax(KvRing<C, D, DENSE_STAGES>::BYTES,
+                (CUPA_THREADS / 32) * TILE_ROWS * D * (int)sizeof(float));
 }
 
 // Query elements dim, dim + 1 of local row r as an mma-type pair; zero past the chunk.

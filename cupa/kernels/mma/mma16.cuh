@@ -29,8 +29,8 @@ CUPA_FN void decode_partition_mma16(
 
     PartitionWork w;
     KvStream<C, D> kv;
-    if (!begin_stream<T, C, ROWS, D>(w, kv, reinterpret_cast<unsigned char*>(dynamic_shared),
-                                     CUPA_PARTITION_ARGS))
+    if (!begin_stream<T, C, ROWS, D, 0>(w, kv, reinterpret_cast<unsigned char*>(dynamic_shared),
+                                        CUPA_PARTITION_ARGS))
         return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;

@@ -16,11 +16,11 @@ CUPA_FN u32 transpose8x8(u32 x) {
     return y;
 }
 
-template <typename T, typename C, int D>
+template <typename T, typename C, int D, int DENSE_STAGES = 0>
 CUPA_FN void decode_partition_mma8(
     CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename MmaTypeOf<T, C>::type M;
-    typedef KvRing<C, D> R;
+    typedef KvRing<C, D, DENSE_STAGES> R;
     typedef Frag<C> F;
     constexpr int HT = 8;                   // rows per workgroup = mma N
     constexpr int NWARPS = CUPA_THREADS / 32;
@@ -34,16 +34,17 @@ CUPA_FN void decode_partition_mma8(
 
     extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
-    if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, HT>()) __trap();
+    if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, HT, DENSE_STAGES>()) __trap();
 
     PartitionWork w;
-    KvStream<C, D> kv;
-    if (!begin_stream<T, C, HT, D>(w, kv, reinterpret_cast<unsigned char*>(dynamic_shared),
-                                   CUPA_PARTITION_ARGS))
+    KvStream<C, D, DENSE_STAGES> kv;
+    if (!begin_stream<T, C, HT, D, DENSE_STAGES>(
+            w, kv, reinterpret_cast<unsigned char*>(dynamic_shared), CUPA_PARTITION_ARGS))
         return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
-    const typename KvStep<C, D, true>::Lanes lanes = KvStep<C, D, true>::lanes(lane);
+    typedef KvStep<C, D, true, DENSE_STAGES> Step;
+    const typename Step::Lanes lanes = Step::lanes(lane);
 
     // Q^T as B fragments: row g, in the head-dim order of K (Frag::q_dim).
     u32 qb[KSTEPS][2];
@@ -75,7 +76,7 @@ CUPA_FN void decode_partition_mma8(
     for (int u = 0; u < WS; ++u) r0[u] = (warp * WS + u) * STEP;
     // Up to head 128 K and V are loaded together; at 256 their 128 registers would not fit
     // beside the rest, so V follows the QK product.
-    auto load_chunk = [&](const unsigned char* st, int chunk, KvStep<C, D, true> (&f)[WS],
+    auto load_chunk = [&](const unsigned char* st, int chunk, Step (&f)[WS],
                           bool (&valid)[WS][2]) {
 #pragma unroll
         for (int u = 0; u < WS; ++u) {
@@ -86,7 +87,7 @@ CUPA_FN void decode_partition_mma8(
         }
     };
     const unsigned char* stage = nullptr;
-    KvStep<C, D, true> cur[WS];
+    Step cur[WS];
     bool k_valid[WS][2];
     if (PIPELINED) {
         stage = kv.stage(0);
@@ -135,7 +136,7 @@ CUPA_FN void decode_partition_mma8(
             if (V_LATE) cur[u].load_v(stage, r0[u], lanes);
         }
         // Pipelined: the next chunk's barrier, then its fragments.
-        KvStep<C, D, true> nxt[WS];
+        Step nxt[WS];
         bool n_valid[WS][2];
         if (PIPELINED && chunk + 1 < kv.chunks) {
             stage = kv.stage(chunk + 1);

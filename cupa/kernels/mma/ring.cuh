@@ -36,15 +36,16 @@ CUPA_FN u32 dynamic_shared_bytes() {
 // ID_SLOTS slots of CHUNK block ids (the block of each token of a chunk), which arrive by
 // cp.async STAGES - 1 chunks ahead of the K/V copies that need them and also tell the warps
 // which rows are readable (see KvStream::readable). variants.DecodeMmaVariant.shared_bytes
-// mirrors BYTES.
-template <typename C, int D>
+// mirrors BYTES. DENSE_STAGES > 0 makes the ring of a dense variant (see decode_mma.cu): that
+// many stages, one step a warp; 0 takes the rules below.
+template <typename C, int D, int DENSE_STAGES = 0>
 struct KvRing {
     // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
     // at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and softmax
     // reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit step's
     // work for half the bytes), else one. (At head 64 the larger ring cost the fp8 kernel its
     // fifth workgroup per multiprocessor: slower where the grid needed them, docs/perf-log.md v12.)
-    static constexpr int WARP_STEPS = sizeof(C) == 1 && D == 128 ? 2 : 1;
+    static constexpr int WARP_STEPS = DENSE_STAGES == 0 && sizeof(C) == 1 && D == 128 ? 2 : 1;
     static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
     static constexpr int ROW_BYTES = D * (int)sizeof(C);
     static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
@@ -53,7 +54,8 @@ struct KvRing {
     // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
     // of float16 at head 256, where 2 stages are what fits sm_80's 163 KB (and one workgroup
     // per multiprocessor on sm_90).
-    static constexpr int STAGES = KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
+    static constexpr int STAGES =
+        DENSE_STAGES > 0 ? DENSE_STAGES : KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
@@ -97,9 +99,9 @@ struct KvRing {
 //   id slot of chunk k: k % 2S; its previous chunk k - 2S was computed on before the barrier of
 //   stage k - 2S + 1, and the slot is refilled after the barrier of stage k - 2S + 2.
 // Rows past the partition's end or in a block outside the cache are zero-filled (never read).
-template <typename C, int D>
+template <typename C, int D, int DENSE_STAGES = 0>
 struct KvStream {
-    typedef KvRing<C, D> R;
+    typedef KvRing<C, D, DENSE_STAGES> R;
     unsigned char* ring;
     // This thread's unit of its rows of phase f (passes p with p % PHASES == f) in block 0: the
     // row's address in block b is b * block_bytes past it.
@@ -209,9 +211,9 @@ struct KvStream {
 // block ids before the sequence's length was tried: level where every workgroup works, and
 // workgroups with no work, such as those before a sliding window, then had to wait for ids
 // they never used; docs/perf-log.md v13.)
-template <typename T, typename C, int ROWS, int D>
-CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D>& kv, unsigned char* ring,
-                          CUPA_PARTITION_PARAMS(T, C)) {
+template <typename T, typename C, int ROWS, int D, int DENSE_STAGES>
+CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D, DENSE_STAGES>& kv,
+                          unsigned char* ring, CUPA_PARTITION_PARAMS(T, C)) {
     if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
                                      sliding_window, num_tokens, num_heads, num_kv_heads,
                                      block_size, max_blocks_per_seq, partition_size,
