@@ -221,7 +221,7 @@ class DecodeMmaVariant(_TwoPhase):
         cache = _cache_type(self.dtype, self.cache)
         if self.dense:
             phase1 = (f"CUPA_DECODE_MMA_DENSE_VARIANT({self.partition_name}, {ctype}, {cache}, "
-                      f"{self.head_size}, {DENSE_RING['stages']}, {DENSE_RING['workgroups']})")
+                      f"{self.head_size}, {self.ring_stages}, {DENSE_RING['workgroups']})")
         else:
             phase1 = (f"CUPA_DECODE_MMA_VARIANT({self.partition_name}, "
                       f"decode_partition_mma{self.heads}, {ctype}, {cache}, {self.head_size})")

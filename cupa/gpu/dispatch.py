@@ -81,22 +81,21 @@ class Switches:
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
 
 
+def _form(name: str, forms: tuple) -> str:
+    """The environment variable `name`, one of `forms` (the first when unset)."""
+    value = os.environ.get(name, forms[0])
+    if value not in forms:
+        raise ValueError(f"{name}: one of {forms}, got {value!r}")
+    return value
+
+
 @functools.lru_cache(maxsize=1)
 def switches() -> Switches:
     """The environment switches, read once (see the module docstring)."""
-    kernel = os.environ.get("CUPA_KERNEL", "auto")
-    if kernel not in KERNEL_FORMS:
-        raise ValueError(f"CUPA_KERNEL: one of {KERNEL_FORMS}, got {kernel!r}")
-    merge = os.environ.get("CUPA_MERGE", "auto")
-    if merge not in MERGE_FORMS:
-        raise ValueError(f"CUPA_MERGE: one of {MERGE_FORMS}, got {merge!r}")
-    row_chunks = os.environ.get("CUPA_ROW_CHUNKS", "auto")
-    if row_chunks not in ROW_CHUNK_FORMS:
-        raise ValueError(f"CUPA_ROW_CHUNKS: one of {ROW_CHUNK_FORMS}, got {row_chunks!r}")
-    dense = os.environ.get("CUPA_DENSE", "auto")
-    if dense not in DENSE_FORMS:
-        raise ValueError(f"CUPA_DENSE: one of {DENSE_FORMS}, got {dense!r}")
-    return Switches(kernel=kernel, merge=merge, row_chunks=row_chunks, dense=dense,
+    return Switches(kernel=_form("CUPA_KERNEL", KERNEL_FORMS),
+                    merge=_form("CUPA_MERGE", MERGE_FORMS),
+                    row_chunks=_form("CUPA_ROW_CHUNKS", ROW_CHUNK_FORMS),
+                    dense=_form("CUPA_DENSE", DENSE_FORMS),
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0")
 
 
