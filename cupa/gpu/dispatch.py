@@ -50,6 +50,14 @@ PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
 #   2 MB mixed (group 16 32 x 2048 54.2 -> 48.5, 16 x 4096 56.6 -> 60.0; MQA 32 x 2048 level);
 #   4 MB slower (group 16 16 x 8192 87.6 -> 110.1; MQA 128 x 1024 56.5 -> 96.8): the L2 traffic.
 ROW_CHUNKS_MAX_BYTES_PER_SM = 1 << 20
+# Two chunks (9-16 rows) at the head sizes listed, where the 16-row plan would split every
+# sequence (the KV heads number at most half the workgroups it aims at), pay up to twice that
+# (v23, 16-row -> row chunks, the planner's partitions for each): group 16 at 32 x 2048 54.8 ->
+# 49.2 us, 16 x 4096 56.7 -> 53.3, 8 x 8192 56.3 -> 53.2; fp8 32 x 4096 59.8 -> 55.1; group 4 x 4
+# new tokens 2 x 16384 60.4 -> 56.6. Not at head 64, whose 16-row kernel holds 3 workgroups a
+# multiprocessor (32 x 4096 52.2 -> 57.6), nor with more chunks (MQA 16 x 4096 45.3 -> 47.7).
+ROW_CHUNKS_SPLIT_MAX_BYTES_PER_SM = 2 << 20
+ROW_CHUNKS_SPLIT_HEAD_SIZES = (128,)
 KERNEL_FORMS = ("auto", "portable")  # CUPA_KERNEL; portable: never tensor or matrix cores
 MERGE_FORMS = ("auto", "cluster", "reduce")
 # CUPA_ROW_CHUNKS, where the 16-row kernel serves: auto (the rule above), always (8-row chunks of
@@ -124,11 +132,14 @@ def chains_reduce(arch: str) -> bool:
     return switches().chained_reduce and sm_number(arch) >= CHAINED_REDUCE_MIN_SM
 
 
-def merges_in_cluster(variant, arch: str, max_partitions: int) -> bool:
-    """Whether a launch of `variant` with `max_partitions` partitions merges them within
-    clusters: the planner's rule (auto), wherever the kernel can up to MAX_CLUSTER (cluster) or
-    never (reduce)."""
-    largest = {"auto": PLANNED_CLUSTER, "cluster": MAX_CLUSTER, "reduce": 1}[switches().merge]
+def merges_in_cluster(variant, arch: str, max_partitions: int, head_chunks: int = 1) -> bool:
+    """Whether a launch of `variant` with `max_partitions` partitions (and `head_chunks` row
+    chunks per KV head) merges them within clusters: the planner's rule (auto), wherever the
+    kernel can up to MAX_CLUSTER (cluster) or never (reduce). The planner's rule leaves row
+    chunks to the reduce: group 16 at 8 x 4096 41.1 us in pairs against 33.8 in 4 partitions
+    (docs/perf-log.md v21), 16 x 4096 in 2 partitions 55.8 against 54.0 (v23)."""
+    planned = PLANNED_CLUSTER if head_chunks == 1 else 1
+    largest = {"auto": planned, "cluster": MAX_CLUSTER, "reduce": 1}[switches().merge]
     return (isinstance(variant, DecodeMmaVariant) and sm_number(arch) >= CLUSTER_MERGE_MIN_SM
             and 1 < max_partitions <= largest)
 
@@ -144,8 +155,14 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     if form != "auto":
         return form == "always"
     chunks = -(-rows // 8)
-    return (seq_kv_heads < variant.workgroups_per_sm * multiprocessors
-            and chunks * kv_bytes <= ROW_CHUNKS_MAX_BYTES_PER_SM * multiprocessors)
+    wanted = variant.workgroups_per_sm * multiprocessors
+    if seq_kv_heads >= wanted:
+        return False
+    limit = ROW_CHUNKS_MAX_BYTES_PER_SM
+    if (chunks == 2 and variant.head_size in ROW_CHUNKS_SPLIT_HEAD_SIZES
+            and 2 * seq_kv_heads <= wanted):
+        limit = ROW_CHUNKS_SPLIT_MAX_BYTES_PER_SM
+    return chunks * kv_bytes <= limit * multiprocessors
 
 
 def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):

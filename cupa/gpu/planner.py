@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..problem import MAX_GRID_YZ, DecodeShape
 from . import dispatch
+from .catalogue import DecodeMmaVariant
 
 # Two partitions merged within clusters are planned instead of more partitions and the reduce
 # launch from this many workgroups per multiprocessor (measured at 0.97), for partitions of at
@@ -33,6 +34,12 @@ RAGGED_TAIL_SPLITS = 3
 # sequence among 255 of 16 tokens the model's best split made a grid of 62 waves at 0.5 us per
 # empty workgroup (39 at 2 us; unmeasured on the device).
 RAGGED_MAX_GRID_WAVES = 64
+# Few long sequences of the 8-column kernel at head 128, merged by the reduce: one workgroup a
+# multiprocessor with partitions up to CLUSTER_PAIR_MAX_TOKENS beats two of half the length
+# (fewer partials to merge, half the fixed cost per token), where such a grid fills at least this
+# fraction of the multiprocessors (docs/perf-log.md v23: at 0.97 1-5% faster, at 0.91 2% slower).
+ONE_PER_SM_HEAD_SIZES = (128,)
+ONE_PER_SM_DENSITY = 0.95
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
 NEARLY_UNIFORM_FILL = 0.9
@@ -122,9 +129,10 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         partition_size = capacity
     if shape.num_seqs > MAX_GRID_YZ:
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
+    cluster = dispatch.merges_in_cluster(variant, arch, max_partitions, head_chunks)
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
-                      cluster_merge=dispatch.merges_in_cluster(variant, arch, max_partitions))
+                      cluster_merge=cluster)
 
 
 def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multiprocessors: int,
@@ -161,14 +169,36 @@ def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multi
         if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
                 and dispatch.merges_in_cluster(variant, arch, 2)):
             splits = 2
+    # More partitions, merged by the reduce, of a few long sequences: one workgroup a
+    # multiprocessor (see ONE_PER_SM_DENSITY) where the head size is one measured to gain.
+    # H200, GQA 8, before -> after: float16 1 x 32768 51.8 -> 50.4 us (16 partitions of 2048
+    # instead of 32 of 1024), 1 x 16384 34.4 -> 32.6; fp8 1 x 32768 35.4 -> 33.6; MHA 1 x 4096
+    # 30.9 -> 30.4. Head 64 was level or slower (docs/perf-log.md v23).
+    one = multiprocessors // max(workgroups, 1)
+    if (uniform and splits > one >= 3 and isinstance(variant, DecodeMmaVariant)
+            and variant.rows == 8 and head_chunks == 1
+            and variant.head_size in ONE_PER_SM_HEAD_SIZES
+            and one * workgroups >= ONE_PER_SM_DENSITY * multiprocessors
+            and _split_size(longest, one, variant) <= CLUSTER_PAIR_MAX_TOKENS):
+        splits = one
+    # Wave quantisation of a split grid: one of one to one and a half waves of resident
+    # workgroups takes the most partitions that fit in one wave. 5 x 8192, GQA 8: 7 partitions
+    # (280 workgroups on 264 slots) -> 6: float16 66.6 -> 59.5 us, fp8 44.9 -> 39.2 (v23).
+    partitions = -(-longest // _split_size(longest, splits, variant))
+    if (uniform and splits > 1 and resident
+            and resident < partitions * workgroups <= 1.5 * resident
+            and resident // workgroups >= 2):
+        splits = resident // workgroups
     if splits == 1:
-        partition_size = capacity
-    else:
-        partition_size = max(variant.min_partition,
-                             _round_up(-(-longest // splits), variant.min_partition))
-        # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
-        partition_size = max(partition_size, -(-capacity // MAX_GRID_YZ))
-    return partition_size
+        return capacity
+    # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
+    return max(_split_size(longest, splits, variant), -(-capacity // MAX_GRID_YZ))
+
+
+def _split_size(longest: int, splits: int, variant) -> int:
+    """Tokens per partition for `splits` partitions of the longest sequence: a multiple of the
+    variant's shortest partition."""
+    return max(variant.min_partition, _round_up(-(-longest // splits), variant.min_partition))
 
 
 def _forced_partition_size(partition_size, capacity: int) -> int:

@@ -206,7 +206,7 @@ def test_cluster_merge_sizes(rng, switch, num_partitions):
     plan = cupa.plan_decode(*args, **options, return_lse=True, partition_size=256)
     assert plan.max_partitions == num_partitions
     clusters = dispatch.merges_in_cluster(plan._launch_plan.variant, device_info().target.arch,
-                                          num_partitions)
+                                          num_partitions, plan._launch_plan.head_chunks)
     assert plan.merge == ("cluster" if clusters else "reduce")
     ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
     for run in range(2):  # a second run on the same plan, its outputs poisoned again
@@ -381,3 +381,30 @@ def test_merge_states_on_device(rng):
     ref, ref_lse = paged_decode_reference(*case.args())
     assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["bfloat16"]
     check_lse(lse, ref_lse, "merged")
+
+
+@pytest.mark.parametrize("seq_lens, num_kv_heads, group, expected", [
+    ((32768,), 8, 8, (8, 1, 2048, 16)),    # one workgroup a multiprocessor (ONE_PER_SM_DENSITY)
+    ((8192,) * 5, 8, 8, (8, 1, 1536, 6)),  # a split grid fitted to one wave
+    ((2048,) * 32, 4, 16, (8, 2, 2048, 1)),  # row chunks up to 2 MB a multiprocessor
+], ids=["few-long", "one-wave", "row-chunks-2mb"])
+def test_the_planners_own_choices_on_long_problems(rng, seq_lens, num_kv_heads, group, expected):
+    """The planner's partitions (no forced size) for the problems its v23 rules decide, against
+    the reference; on an H200 (132 multiprocessors, sm_90) also the plan those rules give:
+    (columns of the kernel, row chunks, partition size, partitions)."""
+    import cupy
+    from cupa.gpu.device import device_info
+    case = make_case(rng, dtype="float16", head_size=128, num_kv_heads=num_kv_heads,
+                     group=group, seq_lens=seq_lens, spare_columns=0)
+    args, options = to_gpu(case)
+    plan, run = planned(args, options)
+    info = device_info()
+    if info.multiprocessors == 132 and info.target.arch == "sm_90":
+        launch = plan._launch_plan
+        assert (launch.variant.heads, launch.head_chunks, launch.partition_size,
+                launch.max_partitions) == expected
+    out, lse = run()
+    ref, ref_lse = paged_decode_reference(*case.args(), **case.options())
+    err = rel_error(cupy.asnumpy(out).astype(np.float64), ref)
+    assert err <= REL_BOUND["float16"], f"rel error {err:.3g}"
+    check_lse(lse, ref_lse, "planner's choice")

@@ -83,8 +83,9 @@ def test_graph_capture_replays_with_new_contents(rng, switch, merge):
     if partitioned:  # clusters where the kernel can (sm_90, tensor cores), else the reduce
         from cupa.gpu import dispatch
         from cupa.gpu.device import device_info
-        clusters = dispatch.merges_in_cluster(plan._launch_plan.variant,
-                                              device_info().target.arch, plan.max_partitions)
+        launch = plan._launch_plan
+        clusters = dispatch.merges_in_cluster(launch.variant, device_info().target.arch,
+                                              plan.max_partitions, launch.head_chunks)
         assert plan.merge == ("cluster" if clusters else "reduce")
     else:
         assert plan.merge == "single"

@@ -129,13 +129,20 @@ def test_row_chunks_cover_every_new_token():
     (1, 4096, 64, 8, 4, 128, 4),      # group 8 x 4 new tokens: 30.1 -> 26.0
     (8, 4096, 64, 1, 1, 128, 8),      # MQA: 36.4 -> 31.6
     (32, 2048, 64, 4, 1, 64, 2),      # head 64, group 16: 33.9 -> 32.2
+    # Up to 2 MB for two chunks at head 128 where the 16-row plan splits every sequence (v23):
+    (32, 2048, 64, 4, 1, 128, 2),     # group 16: 54.8 -> 49.2 (128 KV heads: half of 264)
+    (16, 4096, 64, 4, 1, 128, 2),     # 56.7 -> 53.3
+    (8, 8192, 64, 4, 1, 128, 2),      # 56.3 -> 53.2
+    (2, 16384, 32, 8, 4, 128, 2),     # group 4 x 4 new tokens: 60.4 -> 56.6
+    (1, 32768, 32, 8, 4, 128, 2),     # 62.0 -> 56.1 (v21)
     # ... and those that were slower or level stay on the 16-row kernel:
-    (32, 2048, 64, 4, 1, 128, 1),     # 2 MB per multiprocessor (mixed: this one 54.2 -> 48.5)
-    (16, 4096, 64, 4, 1, 128, 1),     # 56.6 -> 60.0
-    (16, 8192, 64, 4, 1, 128, 1),     # 87.6 -> 110.1
+    (64, 1024, 64, 4, 1, 128, 1),     # 2 MB, but 256 KV heads: 53.6 -> 54.7
+    (48, 2048, 64, 4, 1, 128, 1),     # 3 MB: 70.5 -> 85.8
+    (16, 8192, 64, 4, 1, 128, 1),     # 4 MB: 88.0 -> 94.2 (v21: 87.6 -> 110.1)
+    (32, 4096, 64, 4, 1, 64, 1),      # head 64 at 2 MB: 52.2 -> 57.6
+    (16, 4096, 64, 1, 1, 128, 1),     # MQA (8 chunks) at 2 MB: 45.3 -> 47.7
     (128, 1024, 64, 4, 1, 128, 1),    # 512 (sequence, KV head) pairs fill the machine
     (128, 1024, 64, 1, 1, 128, 1),    # MQA, 4 MB: 56.5 -> 96.8
-    (1, 32768, 32, 8, 4, 128, 1),     # 2 MB (mixed: 62.0 -> 56.1)
     # ... except at head 256, which has no 16-row kernel (the portable kernel was 3-7x slower):
     (256, 2048, 64, 4, 1, 256, 2),
     (64, 4096, 64, 1, 1, 256, 8),
@@ -274,7 +281,7 @@ def h200_residency(variant):
     ("fp8_e4m3", 128, 256, 2048, True, 2048),   # 271.9 -> 265.3
     ("fp8_e4m3", 128, 64, 4096, True, 4096),    # 141.1 -> 139.9
     ("fp8_e4m3", 128, 16, 16384, False, 8192),  # 139.8 (140.5 dense): 256 workgroups
-    ("fp8_e4m3", 128, 1, 32768, False, 1024),   # level
+    ("fp8_e4m3", 128, 1, 32768, False, 2048),   # level; then 128 workgroups of 2048 (v23)
     ("fp8_e4m3", 128, 8, 4096, False, 2048),    # 31.1 (36.0 dense)
 ])
 def test_the_dense_form_serves_grids_with_the_workgroups_for_it(
@@ -318,6 +325,52 @@ def test_the_dense_form_only_where_it_exists(switch):
     switch("CUPA_DENSE", "sometimes")
     with pytest.raises(ValueError, match="CUPA_DENSE"):
         make_plan(large, H200_SMS, arch="sm_90")
+
+
+@pytest.mark.parametrize("options, batch, seq_len, partition_size", [
+    # Few long sequences on the 8-column kernel at head 128, merged by the reduce: one workgroup
+    # a multiprocessor (planner.ONE_PER_SM_DENSITY). H200, v23, before -> after (us):
+    ({}, 1, 32768, 2048),                                # 51.8 -> 50.4
+    ({}, 1, 16384, 1024),                                # 34.4 -> 32.6
+    ({}, 4, 8192, 2048),                                 # 50.6 -> 50.1
+    ({}, 1, 65536, 4096),                                # 82.6 -> 82.0
+    (dict(kv_format="fp8_e4m3"), 1, 32768, 2048),        # 35.4 -> 33.6
+    (dict(kv_format="fp8_e4m3fnuz"), 1, 16384, 1024),    # 24.8 -> 23.6
+    (dict(heads=32, kv_heads=32), 1, 4096, 1024),        # MHA: 30.9 -> 30.4
+    # ... not past 4096 tokens a partition (MHA 1 x 32768: 139.3 at 4096, 141.0 at 8192; 1 x
+    # 131072 level), not where the grid would leave a tenth of the machine idle (3 x 16384:
+    # 120 workgroups of 3328, 67.5, against 264 of 1536, 66.0), not at head 64 (2 x 16384:
+    # 31.9 at 1024, 32.7 at 2048), not for row chunks (group 16 1 x 32768: 35.2 against 44.7):
+    (dict(heads=32, kv_heads=32), 1, 32768, 4096),
+    ({}, 1, 131072, 4096),
+    ({}, 3, 16384, 1536),
+    (dict(head_size=64), 2, 16384, 1024),
+    (dict(kv_heads=4), 1, 32768, 1024),
+])
+def test_few_long_sequences_take_one_workgroup_a_multiprocessor(options, batch, seq_len,
+                                                                partition_size):
+    plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
+                     residency=h200_residency)
+    assert plan.partition_size == partition_size and plan.reduce_launch
+
+
+def test_a_ragged_batch_keeps_two_workgroups_a_multiprocessor():
+    # One 32768-token sequence among three of 256: their workgroups share the machine, so the
+    # long one is split as by the uniform rule (32 partitions), not into 16.
+    plan = make_plan(shape(4, 32768), H200_SMS, arch="sm_90", max_seq_len=32768,
+                     total_seq_len=32768 + 3 * 256, residency=h200_residency)
+    assert (plan.partition_size, plan.max_partitions) == (1024, 32)
+
+
+def test_a_split_grid_just_over_one_wave_takes_the_partitions_that_fit_in_one():
+    # 5 x 8192 at GQA 8: 7 partitions of 1280 make 280 workgroups on 264 slots; 6 of 1536 make
+    # 240. H200, v23: float16 66.6 -> 59.5 us, fp8 44.9 -> 39.2.
+    for options in ({}, dict(kv_format="fp8_e4m3")):
+        problem = shape(5, 8192, **options)
+        plan = make_plan(problem, H200_SMS, arch="sm_90", residency=h200_residency)
+        assert (plan.partition_size, plan.max_partitions) == (1536, 6)
+        # Without the residency (no GPU) the step is skipped.
+        assert make_plan(problem, H200_SMS, arch="sm_90").partition_size == 1280
 
 
 def test_planner_halves_partitions_of_a_grid_just_over_one_wave():

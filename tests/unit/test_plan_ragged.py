@@ -19,31 +19,36 @@ MAIN_SHAPES = ((1, 4096), (1, 32768), (8, 4096), (16, 16384), (32, 2048), (64, 4
 
 # (partition_size, max_partitions, cluster_merge) of the main table's shapes on the H200 (sm_90,
 # 132 multiprocessors, 2 resident workgroups), computed before the total-length hint existed;
-# docs/performance.md, "What that means for the main table".
+# docs/performance.md, "What that means for the main table". Since v23 1 x 32768 takes one
+# workgroup a multiprocessor (planner.ONE_PER_SM_DENSITY): 16 partitions of 2048, not 32 of 1024.
 MAIN_PLANS = {
-    (1, 4096): (256, 16, False), (1, 32768): (1024, 32, False), (8, 4096): (2048, 2, True),
+    (1, 4096): (256, 16, False), (1, 32768): (2048, 16, False), (8, 4096): (2048, 2, True),
     (16, 16384): (8192, 2, True), (32, 2048): (2048, 1, False), (64, 4096): (4096, 1, False),
     (128, 1024): (1024, 1, False), (256, 2048): (2048, 1, False),
 }
 # The same for the breadth configurations and the fp8 cache, over MAIN_SHAPES in order
 # (no residency given: as on a machine without the occupancy query).
-LIKE_THE_MAIN_TABLE = [(256, 16, False), (1024, 32, False), (2048, 2, True), (8192, 2, True),
+LIKE_THE_MAIN_TABLE = [(256, 16, False), (2048, 16, False), (2048, 2, True), (8192, 2, True),
                        (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]
+# Head 64 keeps two workgroups a multiprocessor at 1 x 32768 (level or slower at one, v23).
+LIKE_THE_MAIN_TABLE_HEAD64 = [(1024, 32, False) if i == 1 else p
+                              for i, p in enumerate(LIKE_THE_MAIN_TABLE)]
 OTHER_PLANS = {
     "mha": (dict(heads=32, kv_heads=32), [
-        (512, 8, False), (4096, 8, False), (4096, 1, False), (16384, 1, False),
+        (1024, 4, False), (4096, 8, False), (4096, 1, False), (16384, 1, False),
         (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
     "head256": (dict(head_size=256), [
         (256, 16, False), (2048, 16, False), (2048, 2, True), (16384, 1, False),
         (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
-    # The first three as row chunks of the 8-column kernel since v21 (two per KV head).
+    # The first three as row chunks of the 8-column kernel since v21 (two per KV head), and
+    # 32 x 2048 since v23 (dispatch.ROW_CHUNKS_SPLIT_MAX_BYTES_PER_SM).
     "group16": (dict(heads=64, kv_heads=4), [
         (256, 16, False), (1024, 32, False), (1024, 4, False), (4096, 4, False),
-        (1024, 2, True), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
+        (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
     "group4": (dict(heads=32, kv_heads=8), LIKE_THE_MAIN_TABLE),
     "bf16": (dict(dtype="bfloat16"), LIKE_THE_MAIN_TABLE),
     "block32": (dict(block_size=32), LIKE_THE_MAIN_TABLE),
-    "head64": (dict(head_size=64), LIKE_THE_MAIN_TABLE),
+    "head64": (dict(head_size=64), LIKE_THE_MAIN_TABLE_HEAD64),
     "fp8": (dict(kv_format="fp8_e4m3"), LIKE_THE_MAIN_TABLE),
 }
 
@@ -128,12 +133,19 @@ def test_the_bench_ragged_rows_split_their_long_sequences(name, partition_size, 
     assert (unhinted.partition_size, unhinted.max_partitions) == (32768, 1)
 
 
-def test_a_long_sequence_is_split_no_finer_than_alone():
+def test_a_long_sequence_is_split_as_alone_by_the_uniform_rule():
+    """... alone by the uniform rule of two workgroups a multiprocessor: one a multiprocessor
+    (planner.ONE_PER_SM_DENSITY) is for uniform batches, where no short sequences share the
+    machine."""
     lens = [32768] + [512] * 31
     ragged = make_plan(shape(batch=32, seq_len=32768), H200_SMS, arch="sm_90",
                        max_seq_len=32768, total_seq_len=sum(lens))
+    assert described(ragged) == (1024, 32, False)
     alone = make_plan(shape(batch=1, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)
-    assert described(ragged) == described(alone) == (1024, 32, False)
+    assert described(alone) == (2048, 16, False)
+    alone_head64 = make_plan(shape(batch=1, seq_len=32768, head_size=64), H200_SMS,
+                             arch="sm_90", max_seq_len=32768)
+    assert described(alone_head64) == (1024, 32, False)
 
 
 def test_a_mostly_empty_grid_is_capped():
