@@ -172,7 +172,7 @@ class DecodeMmaVariant(_TwoPhase):
     # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
     # measured slower (docs/perf-log.md, v3-v4), and so was filling the 3 slots the fp8 and head-64
     # kernels have (v9): each partition's fixed cost and the reduce pass outweigh the better
-    # balance. The residency itself (cupa.occupancy) only decides wave quantisation (plan.py).
+    # balance. The residency itself (cupa.occupancy) only decides wave quantisation (planner.py).
     min_partition = 256
 
     @property

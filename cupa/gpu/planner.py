@@ -150,9 +150,14 @@ def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multi
     splits = _splits(wanted, workgroups, per_seq, fill)
     uniform = fill >= NEARLY_UNIFORM_FILL
     # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
-    # two full waves; halved partitions make it three half-length waves.
+    # two full waves; halved partitions make it three half-length waves. Neither this step nor
+    # the split grid's below for the 16-row kernel, whose workgroups cost more to start and
+    # finish: group 16 at 96 x 1024 (384 workgroups on 264 slots) 84.7 us whole, 93.5 halved;
+    # 80 x 1024 82.4 and 89.3; 96 x 2048 135.0 and 138.3 (docs/perf-log.md v23). The 8-column
+    # kernel at 40 x 4096: 211.0 and 185.8.
     per_sm = residency(variant) if residency is not None else None
-    resident = (per_sm or 0) * multiprocessors
+    sixteen = isinstance(variant, DecodeMmaVariant) and variant.heads == 16
+    resident = 0 if sixteen else (per_sm or 0) * multiprocessors
     if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
         splits = 2
     # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce

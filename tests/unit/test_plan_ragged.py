@@ -134,9 +134,10 @@ def test_the_bench_ragged_rows_split_their_long_sequences(name, partition_size, 
 
 
 def test_a_long_sequence_is_split_as_alone_by_the_uniform_rule():
-    """... alone by the uniform rule of two workgroups a multiprocessor: one a multiprocessor
-    (planner.ONE_PER_SM_DENSITY) is for uniform batches, where no short sequences share the
-    machine."""
+    """A ragged batch's long sequence is split as it would be alone by the uniform rule of two
+    workgroups a multiprocessor. Alone, a uniform batch of one, it takes one workgroup a
+    multiprocessor (planner.ONE_PER_SM_DENSITY), which is for uniform batches only: in a
+    ragged one the short sequences' workgroups share the machine."""
     lens = [32768] + [512] * 31
     ragged = make_plan(shape(batch=32, seq_len=32768), H200_SMS, arch="sm_90",
                        max_seq_len=32768, total_seq_len=sum(lens))
