@@ -170,7 +170,7 @@ def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multi
     # and a reduce, 41.1 us paired; v21).
     if (uniform and splits > 2 and variant.rows == 8 and head_chunks == 1
             and 2 * workgroups >= CLUSTER_PAIR_DENSITY * multiprocessors):
-        pair = _round_up(-(-longest // 2), variant.min_partition)
+        pair = _split_size(longest, 2, variant)
         if (pair <= CLUSTER_PAIR_MAX_TOKENS and -(-capacity // pair) == 2
                 and dispatch.merges_in_cluster(variant, arch, 2)):
             splits = 2
