@@ -49,15 +49,18 @@ PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
 #   1 x 4096 24.4 -> 14.4; 64 rows (MQA) 1 x 4096 34.9 -> 15.7;
 #   2 MB mixed (group 16 32 x 2048 54.2 -> 48.5, 16 x 4096 56.6 -> 60.0; MQA 32 x 2048 level);
 #   4 MB slower (group 16 16 x 8192 87.6 -> 110.1; MQA 128 x 1024 56.5 -> 96.8): the L2 traffic.
+# Since v24 (the 16-row kernel's faster prologue and merge, and its plan of one workgroup a
+# multiprocessor, planner.ONE_TILE_ROWS), group 16 at head 128, row chunks -> 16-row: 1 MB
+# level (1 x 32768 35.1 -> 34.8 us, 8 x 4096 33.4 -> 33.7), 2 MB slower for row chunks (8 x 8192
+# 52.3 -> 50.8, 16 x 4096 53.2 -> 50.4; group 4 x 4 new tokens at 8 x 4096 56.4 -> 53.3), so v23's
+# 2 MB for two chunks is gone; fp8 still gains from row chunks up to 1 MB (32 x 2048 32.1 against
+# 33.2, 8 x 4096 23.5 against 24.4).
 ROW_CHUNKS_MAX_BYTES_PER_SM = 1 << 20
-# Two chunks (9-16 rows) at the head sizes listed, where the 16-row plan would split every
-# sequence (the KV heads number at most half the workgroups it aims at), pay up to twice that
-# (v23, 16-row -> row chunks, the planner's partitions for each): group 16 at 32 x 2048 54.8 ->
-# 49.2 us, 16 x 4096 56.7 -> 53.3, 8 x 8192 56.3 -> 53.2; fp8 32 x 4096 59.8 -> 55.1; group 4 x 4
-# new tokens 2 x 16384 60.4 -> 56.6. Not at head 64, whose 16-row kernel holds 3 workgroups a
-# multiprocessor (32 x 4096 52.2 -> 57.6), nor with more chunks (MQA 16 x 4096 45.3 -> 47.7).
-ROW_CHUNKS_SPLIT_MAX_BYTES_PER_SM = 2 << 20
-ROW_CHUNKS_SPLIT_HEAD_SIZES = (128,)
+# ... and less at the head sizes listed, whose 16-row kernel holds 3 workgroups a multiprocessor:
+# group 16 at head 64, row chunks -> 16-row (v24): 0.5 MB slower for row chunks (1 x 32768 25.1
+# -> 23.9 us, 8 x 4096 23.6 -> 22.0, 32 x 2048 34.5 -> 31.0, 16 x 4096 38.0 -> 32.2), 0.06 MB
+# faster (1 x 4096 12.7 against 13.1).
+ROW_CHUNKS_MAX_BYTES_PER_SM_AT_HEAD = {64: 1 << 17}
 KERNEL_FORMS = ("auto", "portable")  # CUPA_KERNEL; portable: never tensor or matrix cores
 MERGE_FORMS = ("auto", "cluster", "reduce")
 # CUPA_ROW_CHUNKS, where the 16-row kernel serves: auto (the rule above), always (8-row chunks of
@@ -158,10 +161,8 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     wanted = variant.workgroups_per_sm * multiprocessors
     if seq_kv_heads >= wanted:
         return False
-    limit = ROW_CHUNKS_MAX_BYTES_PER_SM
-    if (chunks == 2 and variant.head_size in ROW_CHUNKS_SPLIT_HEAD_SIZES
-            and 2 * seq_kv_heads <= wanted):
-        limit = ROW_CHUNKS_SPLIT_MAX_BYTES_PER_SM
+    limit = ROW_CHUNKS_MAX_BYTES_PER_SM_AT_HEAD.get(variant.head_size,
+                                                    ROW_CHUNKS_MAX_BYTES_PER_SM)
     return chunks * kv_bytes <= limit * multiprocessors
 
 

@@ -40,6 +40,14 @@ RAGGED_MAX_GRID_WAVES = 64
 # fraction of the multiprocessors (docs/perf-log.md v23: at 0.97 1-5% faster, at 0.91 2% slower).
 ONE_PER_SM_HEAD_SIZES = (128,)
 ONE_PER_SM_DENSITY = 0.95
+# The 16-row kernel with one m-tile (at most this many query rows: its four warps split each
+# chunk's tokens) aims at one workgroup a multiprocessor, not the variant's two, and a uniform
+# batch never gets more. Group 16 on the H200, the 16-row kernel split for two a multiprocessor
+# -> for at most one (docs/perf-log.md v24): 40 x 2048 73.9 -> 58.1 us, 24 x 2048 52.7 -> 41.3,
+# 12 x 2048 29.3 -> 28.1, 16 x 4096 52.0 -> 50.2, 4 x 8192 34.5 -> 32.8, 2 x 16384 36.8 -> 33.0,
+# 1 x 16384 29.0 -> 24.6, 32 x 2048 50.0 -> 48.5. With more tiles (MQA's 64 rows, a tile a
+# warp) two still win: MQA 128 x 1024 43.3 us in 256 workgroups, 50.8 in 128.
+ONE_TILE_ROWS = 16
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
 NEARLY_UNIFORM_FILL = 0.9
@@ -109,8 +117,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     head_chunks = -(-rows // variant.rows)
     planned = partition_size is None
     if planned:
-        partition_size = _planned_partition_size(shape, variant, head_chunks, multiprocessors,
-                                                 arch, longest, fill, residency)
+        partition_size = _planned_partition_size(shape, variant, rows, head_chunks,
+                                                 multiprocessors, arch, longest, fill, residency)
     else:
         partition_size = _forced_partition_size(partition_size, capacity)
     # The dense form of the kernel where the grid has the workgroups for it; its own residency
@@ -121,7 +129,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     if dense is not None:
         variant = dense
         if planned:
-            partition_size = _planned_partition_size(shape, variant, head_chunks,
+            partition_size = _planned_partition_size(shape, variant, rows, head_chunks,
                                                      multiprocessors, arch, longest, fill,
                                                      residency)
     max_partitions = -(-capacity // partition_size)
@@ -135,9 +143,11 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                       cluster_merge=cluster)
 
 
-def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multiprocessors: int,
-                            arch: str, longest: int, fill: float, residency) -> int:
-    """The planner's partition size for `variant` (see make_plan)."""
+def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks: int,
+                            multiprocessors: int, arch: str, longest: int, fill: float,
+                            residency) -> int:
+    """The planner's partition size for `variant` (see make_plan); rows: the query rows of a
+    (sequence, KV head)."""
     capacity = shape.capacity
     per_seq = shape.num_kv_heads * head_chunks
     workgroups = shape.num_seqs * per_seq
@@ -146,9 +156,13 @@ def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multi
     # get: long partitions at that density beat shorter ones filling every slot (sweeps in
     # docs/perf-log.md, v4 and v9). Splits are rounded to nearest: a grid just short of the
     # target is not worth a reduce.
-    wanted = variant.workgroups_per_sm * multiprocessors
+    sixteen = isinstance(variant, DecodeMmaVariant) and variant.heads == 16
+    one_tile = sixteen and rows <= ONE_TILE_ROWS
+    wanted = (1 if one_tile else variant.workgroups_per_sm) * multiprocessors
     splits = _splits(wanted, workgroups, per_seq, fill)
     uniform = fill >= NEARLY_UNIFORM_FILL
+    if one_tile and uniform:  # at most one a multiprocessor (ONE_TILE_ROWS)
+        splits = max(1, min(splits, multiprocessors // max(workgroups, 1)))
     # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
     # two full waves; halved partitions make it three half-length waves. Neither this step nor
     # the split grid's below for the 16-row kernel, whose workgroups cost more to start and
@@ -156,7 +170,6 @@ def _planned_partition_size(shape: DecodeShape, variant, head_chunks: int, multi
     # 80 x 1024 82.4 and 89.3; 96 x 2048 135.0 and 138.3 (docs/perf-log.md v23). The 8-column
     # kernel at 40 x 4096: 211.0 and 185.8.
     per_sm = residency(variant) if residency is not None else None
-    sixteen = isinstance(variant, DecodeMmaVariant) and variant.heads == 16
     resident = 0 if sixteen else (per_sm or 0) * multiprocessors
     if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
         splits = 2

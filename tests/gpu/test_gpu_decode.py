@@ -386,12 +386,13 @@ def test_merge_states_on_device(rng):
 @pytest.mark.parametrize("seq_lens, num_kv_heads, group, expected", [
     ((32768,), 8, 8, (8, 1, 2048, 16)),    # one workgroup a multiprocessor (ONE_PER_SM_DENSITY)
     ((8192,) * 5, 8, 8, (8, 1, 1536, 6)),  # a split grid fitted to one wave
-    ((2048,) * 32, 4, 16, (8, 2, 2048, 1)),  # row chunks up to 2 MB a multiprocessor
-], ids=["few-long", "one-wave", "row-chunks-2mb"])
+    ((2048,) * 32, 4, 16, (16, 1, 2048, 1)),  # the one-tile 16-row kernel, unsplit (v24)
+    ((4096,) * 16, 4, 16, (16, 1, 2048, 2)),  # ... one a multiprocessor: a cluster pair
+], ids=["few-long", "one-wave", "one-tile-unsplit", "one-tile-pair"])
 def test_the_planners_own_choices_on_long_problems(rng, seq_lens, num_kv_heads, group, expected):
-    """The planner's partitions (no forced size) for the problems its v23 rules decide, against
-    the reference; on an H200 (132 multiprocessors, sm_90) also the plan those rules give:
-    (columns of the kernel, row chunks, partition size, partitions)."""
+    """The planner's partitions (no forced size) for the problems its v23-v24 rules decide,
+    against the reference; on an H200 (132 multiprocessors, sm_90) also the plan those rules
+    give: (columns of the kernel, row chunks, partition size, partitions)."""
     import cupy
     from cupa.gpu.device import device_info
     case = make_case(rng, dtype="float16", head_size=128, num_kv_heads=num_kv_heads,

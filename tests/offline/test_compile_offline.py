@@ -248,3 +248,34 @@ def test_representative_variants_compile_with_the_hiprtc_header():
     results = compile_all(offline.HIP_TARGETS, progress=False, representative=True)
     failed = [(v.entry_names[0], t, d[:1500]) for (v, t), (ok, d) in results.items() if not ok]
     assert results and not failed, failed[:2]
+
+
+def _ptx_of(variant, arch="sm_90"):
+    from cupy.cuda import nvrtc
+    program = nvrtc.createProgram(catalogue.batch_source([variant]), "k.cu", [], [])
+    try:
+        virtual = "compute_" + arch.split("_", 1)[1]
+        nvrtc.compileProgram(program, [*Target(arch).runtime_options(), *offline.CUPY_NVRTC_OPTIONS,
+                                       f"--gpu-architecture={virtual}"])
+        text = nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    return text if isinstance(text, str) else text.decode()
+
+
+def test_phase_stamps_build_only_when_asked(monkeypatch):
+    """tools/phase_stamps.py's build (-DCUPA_PHASE_STAMPS through CUPA_EXTRA_OPTIONS) gives both
+    tensor-core kernels their stamp table and marks (a clock read per phase mark, the global
+    timer); the default build has neither."""
+    require_compilers([nvrtc_missing()])
+    kernels = [v for v in catalogue.all_mma_variants()
+               if v.tag == "f16" and v.head_size == 128]
+    assert {v.heads for v in kernels} == {8, 16}
+    for variant in kernels:
+        monkeypatch.delenv("CUPA_EXTRA_OPTIONS", raising=False)
+        plain = _ptx_of(variant)
+        monkeypatch.setenv("CUPA_EXTRA_OPTIONS", "-DCUPA_PHASE_STAMPS")
+        stamped = _ptx_of(variant)
+        assert "cupa_phase_stamps" not in plain and "globaltimer" not in plain
+        assert "cupa_phase_stamps" in stamped and "globaltimer" in stamped
+        assert stamped.count("%clock64") >= 8 > plain.count("%clock64")

@@ -119,24 +119,38 @@ def test_row_chunks_cover_every_new_token():
     assert plan.variant.heads == 8 and plan.head_chunks == 1  # MHA, 3 tokens: 3 rows
 
 
+def multi_token_shape(batch, seq_len, heads, kv_heads, query_len, head_size):
+    """A float16 problem of `query_len` new tokens per sequence (shape()'s, with query rows)."""
+    return DecodeShape(num_seqs=batch, num_tokens=batch * query_len, num_heads=heads,
+                       num_kv_heads=kv_heads, head_size=head_size,
+                       num_blocks=batch * seq_len // 16, block_size=16,
+                       max_blocks_per_seq=seq_len // 16, dtype="float16", scale=0.1,
+                       has_alibi=False, multi_token=query_len > 1)
+
+
 @pytest.mark.parametrize("batch, seq_len, heads, kv_heads, query_len, head_size, chunks", [
     # The 16-row kernel's problems that were faster as 8-row chunks on the H200 (v21), chunks x
-    # K/V bytes at most 1 MB per multiprocessor and fewer (sequence, KV head) pairs than slots:
+    # K/V bytes at most 1 MB per multiprocessor (128 KB at head 64) and fewer (sequence, KV
+    # head) pairs than slots (at 1 MB level since v24: 1 x 32768 35.1 against 34.8 us):
     (1, 4096, 64, 4, 1, 128, 2),      # group 16: 22.1 -> 15.9 us
     (8, 4096, 64, 4, 1, 128, 2),      # 38.3 -> 34.3
     (1, 32768, 64, 4, 1, 128, 2),     # 43.9 -> 35.8 (64 MiB, 2 chunks: 0.97 MiB each)
     (1, 4096, 32, 8, 4, 128, 2),      # group 4 x 4 new tokens: 26.7 -> 21.6
     (1, 4096, 64, 8, 4, 128, 4),      # group 8 x 4 new tokens: 30.1 -> 26.0
     (8, 4096, 64, 1, 1, 128, 8),      # MQA: 36.4 -> 31.6
-    (32, 2048, 64, 4, 1, 64, 2),      # head 64, group 16: 33.9 -> 32.2
-    # Up to 2 MB for two chunks at head 128 where the 16-row plan splits every sequence (v23):
-    (32, 2048, 64, 4, 1, 128, 2),     # group 16: 54.8 -> 49.2 (128 KV heads: half of 264)
-    (16, 4096, 64, 4, 1, 128, 2),     # 56.7 -> 53.3
-    (8, 8192, 64, 4, 1, 128, 2),      # 56.3 -> 53.2
-    (2, 16384, 32, 8, 4, 128, 2),     # group 4 x 4 new tokens: 60.4 -> 56.6
-    (1, 32768, 32, 8, 4, 128, 2),     # 62.0 -> 56.1 (v21)
-    # ... and those that were slower or level stay on the 16-row kernel:
-    (64, 1024, 64, 4, 1, 128, 1),     # 2 MB, but 256 KV heads: 53.6 -> 54.7
+    (1, 4096, 64, 4, 1, 64, 2),       # head 64, group 16 at 0.06 MB: 13.1 -> 12.7 (v24)
+    # ... and those that were slower or level stay on the 16-row kernel (v24: its faster
+    # prologue and merge, one workgroup a multiprocessor; row chunks -> 16-row):
+    (32, 2048, 64, 4, 1, 128, 1),     # group 16 at 2 MB: 50.0 -> 48.1 (v23's 2 MB rule, gone)
+    (16, 4096, 64, 4, 1, 128, 1),     # 53.2 -> 50.4
+    (8, 8192, 64, 4, 1, 128, 1),      # 52.3 -> 50.8
+    (2, 16384, 32, 8, 4, 128, 1),     # group 4 x 4 new tokens at 2 MB: 56.3 -> 54.2
+    (8, 4096, 32, 8, 4, 128, 1),      # 56.4 -> 53.3
+    (1, 32768, 32, 8, 4, 128, 1),     # 2 MB as 2 x 16384 (v21, the earlier kernels: 62.0 -> 56.1)
+    (32, 2048, 64, 4, 1, 64, 1),      # head 64, group 16 at 0.5 MB: 34.5 -> 31.0
+    (8, 4096, 64, 4, 1, 64, 1),       # 23.6 -> 22.0
+    (16, 4096, 64, 4, 1, 64, 1),      # 38.0 -> 32.2
+    (64, 1024, 64, 4, 1, 128, 1),     # 2 MB, but 256 KV heads: 53.6 -> 54.7 (v23)
     (48, 2048, 64, 4, 1, 128, 1),     # 3 MB: 70.5 -> 85.8
     (16, 8192, 64, 4, 1, 128, 1),     # 4 MB: 88.0 -> 94.2 (v21: 87.6 -> 110.1)
     (32, 4096, 64, 4, 1, 64, 1),      # head 64 at 2 MB: 52.2 -> 57.6
@@ -149,11 +163,7 @@ def test_row_chunks_cover_every_new_token():
 ])
 def test_small_problems_run_row_chunks_of_the_eight_column_kernel(
         batch, seq_len, heads, kv_heads, query_len, head_size, chunks):
-    problem = DecodeShape(num_seqs=batch, num_tokens=batch * query_len, num_heads=heads,
-                          num_kv_heads=kv_heads, head_size=head_size,
-                          num_blocks=batch * seq_len // 16, block_size=16,
-                          max_blocks_per_seq=seq_len // 16, dtype="float16", scale=0.1,
-                          has_alibi=False, multi_token=query_len > 1)
+    problem = multi_token_shape(batch, seq_len, heads, kv_heads, query_len, head_size)
     plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
                      max_query_len=query_len)
     assert isinstance(plan.variant, catalogue.DecodeMmaVariant)
@@ -163,6 +173,34 @@ def test_small_problems_run_row_chunks_of_the_eight_column_kernel(
     # Without length hints the capacity counts as every sequence's length: the same here.
     assert make_plan(problem, H200_SMS, arch="sm_90", max_query_len=query_len).head_chunks == \
         plan.head_chunks
+
+
+@pytest.mark.parametrize("batch, seq_len, heads, kv_heads, query_len, partition", [
+    # The 16-row kernel with one m-tile plans at most one workgroup a multiprocessor (132 on the
+    # H200), its splits rounded down (planner.ONE_TILE_ROWS; group 16, v24, us):
+    (40, 2048, 64, 4, 1, 2048),   # 160 workgroups unsplit: 58.1, against 73.9 in 320
+    (24, 2048, 64, 4, 1, 2048),   # 96 unsplit: 41.3, against 52.7 in 288
+    (12, 2048, 64, 4, 1, 1024),   # 48 x 2 (2.75 rounded down): 28.1, against 29.3 in 48 x 3
+    (16, 4096, 64, 4, 1, 2048),   # 64 x 2: 50.2, against 52.0 in 64 x 4
+    (8, 8192, 64, 4, 1, 2048),    # 32 x 4: 51.0, against 51.7 in 32 x 8
+    (2, 16384, 64, 4, 1, 1024),   # 8 x 16: 33.0, against 36.8 in 8 x 32
+    (8, 4096, 32, 8, 4, 2048),    # group 4 x 4 new tokens (16 rows): 64 x 2, 53.3
+    # ... but with more tiles (MQA's 64 rows, a tile a warp) still two a multiprocessor:
+    (128, 1024, 64, 1, 1, 512),   # 128 x 2: 43.3, against 50.8 unsplit
+])
+def test_the_one_tile_16_row_kernel_plans_one_workgroup_a_multiprocessor(
+        switch, batch, seq_len, heads, kv_heads, query_len, partition):
+    switch("CUPA_ROW_CHUNKS", "never")  # the 16-row kernel's own plan, whatever row chunks do
+    problem = multi_token_shape(batch, seq_len, heads, kv_heads, query_len, 128)
+    for residency in (None, lambda v: 2):
+        plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
+                         max_query_len=query_len, residency=residency)
+        assert plan.variant.heads == 16 and plan.head_chunks == 1
+        assert plan.partition_size == (partition if partition < seq_len else seq_len)
+    # A ragged batch aims at one a multiprocessor too, but may split further (its tail).
+    ragged = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
+                       total_seq_len=batch * seq_len // 2, max_query_len=query_len)
+    assert ragged.partition_size <= plan.partition_size
 
 
 def test_forcing_row_chunks_or_the_16_row_kernel(switch):

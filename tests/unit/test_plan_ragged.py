@@ -40,10 +40,11 @@ OTHER_PLANS = {
     "head256": (dict(head_size=256), [
         (256, 16, False), (2048, 16, False), (2048, 2, True), (16384, 1, False),
         (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
-    # The first three as row chunks of the 8-column kernel since v21 (two per KV head), and
-    # 32 x 2048 since v23 (dispatch.ROW_CHUNKS_SPLIT_MAX_BYTES_PER_SM).
+    # The first three as row chunks of the 8-column kernel since v21 (two per KV head); since
+    # v24 16 x 16384 on the 16-row kernel at one workgroup a multiprocessor, a cluster pair
+    # (planner.ONE_TILE_ROWS: 143.1 us against 144.0 in 4 partitions).
     "group16": (dict(heads=64, kv_heads=4), [
-        (256, 16, False), (1024, 32, False), (1024, 4, False), (4096, 4, False),
+        (256, 16, False), (1024, 32, False), (1024, 4, False), (8192, 2, True),
         (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
     "group4": (dict(heads=32, kv_heads=8), LIKE_THE_MAIN_TABLE),
     "bf16": (dict(dtype="bfloat16"), LIKE_THE_MAIN_TABLE),

@@ -161,11 +161,22 @@ __host__ __device__ constexpr int mma_shared_bytes() {
                 (CUPA_THREADS / 32) * TILE_ROWS * D * (int)sizeof(float));
 }
 
-// Query elements dim, dim + 1 of local row r as an mma-type pair; zero past the chunk.
+// The query of local row r, read as mma-type pairs; past the chunk (r >= nh) it reads row 0 and
+// gives zeros. The row's index (two integer divisions) is computed once and every load is
+// unconditional: a branch and index per load cost the 16-row kernel's 32 loads 5-7 us a
+// workgroup (docs/perf-log.md v24).
 template <typename T, typename M, int D>
-CUPA_FN u32 query_pair(const T* query, const PartitionWork& w, int r, int dim) {
-    return r < w.nh ? QPair<T, M>::load(query + w.row_index(r) * D + dim) : 0u;
-}
+struct QueryRow {
+    const T* row;
+    bool valid;
+    CUPA_FN QueryRow(const T* query, const PartitionWork& w, int r)
+        : row(query + w.row_index(r < w.nh ? r : 0) * D), valid(r < w.nh) {}
+    // Elements dim, dim + 1.
+    CUPA_FN u32 pair(int dim) const {
+        const u32 x = QPair<T, M>::load(row + dim);
+        return valid ? x : 0u;
+    }
+};
 
 // One row's online-softmax step: the running max m takes in the step's max mx; corr rescales
 // what was summed so far, use is what the step's logits subtract. Returns whether the max moved:

@@ -120,10 +120,12 @@ CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const
 // (warps_per_tile consecutive warps) each left its unnormalised output rows, running max and sum
 // in shared memory. Combine them and write the final output (one partition), this partition's
 // float32 partials for the reduce launch, or (cluster merge) the combined rows in place of the
-// first warp's o_s rows for merge_cluster; v_scale is the fp8 value scale (1 otherwise). One
-// thread per row first turns the row's maxima into the warps' weights (in place of m_s) and its
-// normalisation factor (in place of the first warp's l_s), so the loop over the row's elements
-// only multiplies and adds.
+// first warp's o_s rows for merge_cluster; v_scale is the fp8 value scale (1 otherwise).
+// One pass with no barrier: each row takes `tpr` threads (a power of two, as many as the rows
+// leave), which each work out the row's warp weights, sum and output index once and then merge
+// every tpr-th group of 4 columns. The two-pass form (weights by one thread a row, a barrier,
+// then one element a thread, its index computed per element) took 6.4 us a workgroup in the
+// 16-row kernel and 1.4 us in the 8-column one; this one 1.5 and 0.9 (docs/perf-log.md v24).
 template <typename T, int D, int TILE_ROWS, int NWARPS>
 CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE_ROWS],
                                    float (*l_s)[TILE_ROWS], T* out, float* lse,
@@ -132,45 +134,62 @@ CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE
                                    int warps_per_tile, float v_scale, int max_partitions,
                                    int cluster_merge) {
     constexpr int MAX_ROWS = NWARPS * TILE_ROWS;
+    constexpr int GROUPS = D / 4;  // 4-column groups of a row
     __shared__ float row_m[MAX_ROWS], row_l[MAX_ROWS];  // the cluster merge's inputs
     const bool in_cluster = cluster_merge && !w.writes_output;
-    for (int r = threadIdx.x; r < w.nh; r += CUPA_THREADS) {
+    int tpr = GROUPS;
+    while (tpr > 1 && tpr * w.nh > CUPA_THREADS) tpr >>= 1;
+    const int first_group = threadIdx.x & (tpr - 1);
+    for (int r = threadIdx.x / tpr; r < w.nh; r += CUPA_THREADS / tpr) {
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float m = neg_inf();
-        for (int k = 0; k < warps_per_tile; ++k) m = max_f(m, m_s[w0 + k][tr]);
+#pragma unroll
+        for (int k = 0; k < NWARPS; ++k)
+            if (k < warps_per_tile) m = max_f(m, m_s[w0 + k][tr]);
         const float use = subtrahend(m);
-        float l = 0.f;
-        for (int k = 0; k < warps_per_tile; ++k) {
-            const float f = fast_exp2(m_s[w0 + k][tr] - use);
-            l += f * l_s[w0 + k][tr];
-            m_s[w0 + k][tr] = f * v_scale;
+        float l = 0.f, weight[NWARPS];  // the warps' weights in the merged output
+#pragma unroll
+        for (int k = 0; k < NWARPS; ++k) {
+            const float f = k < warps_per_tile ? fast_exp2(m_s[w0 + k][tr] - use) : 0.f;
+            if (k < warps_per_tile) l += f * l_s[w0 + k][tr];
+            weight[k] = f * v_scale;
         }
         const i64 head = w.row_index(r);
-        float factor = 1.f;
+        const i64 slot = head * max_partitions + w.part;  // the reduce's partials
+        float factor = 1.f;  // normalisation of the final output
         if (w.writes_output) {
             float lse_value;
             factor = finish_head(m, l, sink_of(sinks, head, w.num_heads), lse_value);
-            if (lse != nullptr) lse[head] = lse_value;
-        } else if (in_cluster) {
-            row_m[r] = m;
-            row_l[r] = l;
-        } else {
-            part_max[head * max_partitions + w.part] = m;
-            part_sum[head * max_partitions + w.part] = l;
+            if (lse != nullptr && first_group == 0) lse[head] = lse_value;
+        } else if (first_group == 0) {
+            if (in_cluster) {
+                row_m[r] = m;
+                row_l[r] = l;
+            } else {
+                part_max[slot] = m;
+                part_sum[slot] = l;
+            }
         }
-        l_s[w0][tr] = factor;
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int i = threadIdx.x; i < w.nh * D; i += CUPA_THREADS) {
-        const int r = i / D, d = i % D;
-        const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
-        float o = 0.f;
-        for (int k = 0; k < warps_per_tile; ++k) o += m_s[w0 + k][tr] * o_s[w0 + k][tr][d];
-        const i64 head = w.row_index(r);
-        if (w.writes_output) Elem<T>::store(out + head * D + d, o * l_s[w0][tr]);
-        else if (in_cluster) o_s[w0][tr][d] = o;  // read above by this thread only
-        else part_acc[(head * max_partitions + w.part) * D + d] = o;
+        for (int group = first_group; group < GROUPS; group += tpr) {
+            const int col = 4 * group;
+            float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int k = 0; k < NWARPS; ++k) {
+                if (k >= warps_per_tile) break;
+                float x[4];
+                Elem<float>::widen(*reinterpret_cast<const cupa_u32x4*>(&o_s[w0 + k][tr][col]), x);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[e] += weight[k] * x[e];
+            }
+            if (w.writes_output) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) Elem<T>::store(out + head * D + col + e, o[e] * factor);
+            } else if (in_cluster) {  // read above by this thread only
+                *reinterpret_cast<cupa_u32x4*>(&o_s[w0][tr][col]) = Elem<float>::narrow(o);
+            } else {
+                *reinterpret_cast<cupa_u32x4*>(part_acc + slot * D + col) = Elem<float>::narrow(o);
+            }
+        }
     }
     if (in_cluster) merge_cluster<T, D, TILE_ROWS>(o_s, row_m, row_l, warps_per_tile, out, lse,
                                                   sinks, w);

@@ -23,15 +23,14 @@ CUPA_FN void decode_partition_mma16(
     constexpr int NT = D / 8;               // dim tiles = n-tiles of the output
     static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
 
+    CUPA_PHASE_STAMP(PHASE_START);
     extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][TILE_ROWS], l_s[NWARPS][TILE_ROWS];
     if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, TILE_ROWS>()) __trap();
 
     PartitionWork w;
-    KvStream<C, D> kv;
-    if (!begin_stream<T, C, ROWS, D, 0>(w, kv, reinterpret_cast<unsigned char*>(dynamic_shared),
-                                        CUPA_PARTITION_ARGS))
-        return;
+    if (!claim_partition<T, C, ROWS, D>(w, CUPA_PARTITION_ARGS)) return;
+    CUPA_PHASE_STAMP(PHASE_CLAIMED);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
     const int tiles = (w.nh + TILE_ROWS - 1) / TILE_ROWS;
@@ -41,19 +40,24 @@ CUPA_FN void decode_partition_mma16(
     const typename KvStep<C, D, false>::Lanes lanes = KvStep<C, D, false>::lanes(lane);
 
     // Q as A fragments, in the head-dim order of K (Frag::q_dim). Rows past the chunk are zero.
+    const QueryRow<T, M, D> q_lo(query, w, r_lo), q_hi(query, w, r_hi);
     u32 qf[KSTEPS][4];
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            qf[s][2 * h] = query_pair<T, M, D>(query, w, r_lo, F::q_dim(s, h, c));
-            qf[s][2 * h + 1] = query_pair<T, M, D>(query, w, r_hi, F::q_dim(s, h, c));
+            qf[s][2 * h] = q_lo.pair(F::q_dim(s, h, c));
+            qf[s][2 * h + 1] = q_hi.pair(F::q_dim(s, h, c));
         }
     }
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     RowMask mask_lo, mask_hi;
     mask_lo.init(w, r_lo, alibi_slopes, sliding_window);
     mask_hi.init(w, r_hi, alibi_slopes, sliding_window);
+    KvStream<C, D> kv;  // started after the query loads: see claim_partition
+    start_stream(kv, reinterpret_cast<unsigned char*>(dynamic_shared), w, key_cache, value_cache,
+                 block_tables, max_blocks_per_seq, num_kv_heads, block_size, num_blocks);
+    CUPA_PHASE_STAMP(PHASE_STREAM_STARTED);
 
     float acc[NT][4];
 #pragma unroll
@@ -66,6 +70,7 @@ CUPA_FN void decode_partition_mma16(
     const int first_step = tile < tiles ? slot : STEPS;
     for (int i = 0; i < kv.chunks; ++i) {
         const unsigned char* stage = kv.stage(i);
+        if (i == 0) CUPA_PHASE_STAMP(PHASE_FIRST_CHUNK);
         for (int step = first_step; step < STEPS; step += warps_per_tile) {
             const int base = w.start + i * R::CHUNK + step * STEP;
             KvStep<C, D, false> cur;
@@ -141,7 +146,9 @@ CUPA_FN void decode_partition_mma16(
                 MmaOp<M>::run(acc[j], pf, cur.v_op(j, 0), cur.v_op(j, 1));
         }
     }
+    CUPA_PHASE_STAMP(PHASE_CHUNKS_DONE);
     kv.end_copies();
+    CUPA_PHASE_STAMP(PHASE_COPIES_ENDED);
 
     // Each warp leaves its rows' max, sum and unnormalised output for the merge.
     float (*o_s)[TILE_ROWS][D] = reinterpret_cast<float (*)[TILE_ROWS][D]>(dynamic_shared);
@@ -162,9 +169,11 @@ CUPA_FN void decode_partition_mma16(
         o_s[warp][g + 8][d1] = acc[j][3];
     }
     __syncthreads();
+    CUPA_PHASE_STAMP(PHASE_ROWS_SHARED);
     merge_warps_and_store<T, D, TILE_ROWS, NWARPS>(
         o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum, sinks, w, warps_per_tile,
         v_factor(kv_scales, w.kv_head, num_kv_heads), max_partitions, cluster_merge);
+    CUPA_PHASE_STAMP(PHASE_DONE);
 }
 
 }  // namespace cupa

@@ -32,30 +32,34 @@ CUPA_FN void decode_partition_mma8(
     constexpr bool V_LATE = D > 128;
     static_assert(R::CHUNK == NWARPS * WS * STEP, "WS steps per warp and chunk");
 
+    CUPA_PHASE_STAMP(PHASE_START);
     extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
     if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, HT, DENSE_STAGES>()) __trap();
 
     PartitionWork w;
-    KvStream<C, D, DENSE_STAGES> kv;
-    if (!begin_stream<T, C, HT, D, DENSE_STAGES>(
-            w, kv, reinterpret_cast<unsigned char*>(dynamic_shared), CUPA_PARTITION_ARGS))
-        return;
+    if (!claim_partition<T, C, HT, D>(w, CUPA_PARTITION_ARGS)) return;
+    CUPA_PHASE_STAMP(PHASE_CLAIMED);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
     typedef KvStep<C, D, true, DENSE_STAGES> Step;
     const typename Step::Lanes lanes = Step::lanes(lane);
 
     // Q^T as B fragments: row g, in the head-dim order of K (Frag::q_dim).
+    const QueryRow<T, M, D> q_row(query, w, g);
     u32 qb[KSTEPS][2];
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) qb[s][h] = query_pair<T, M, D>(query, w, g, F::q_dim(s, h, c));
+        for (int h = 0; h < 2; ++h) qb[s][h] = q_row.pair(F::q_dim(s, h, c));
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     RowMask mask_e, mask_o;  // rows 2c and 2c + 1, this lane's columns
     mask_e.init(w, 2 * c, alibi_slopes, sliding_window);
     mask_o.init(w, 2 * c + 1, alibi_slopes, sliding_window);
+    KvStream<C, D, DENSE_STAGES> kv;  // started after the query loads: see claim_partition
+    start_stream(kv, reinterpret_cast<unsigned char*>(dynamic_shared), w, key_cache, value_cache,
+                 block_tables, max_blocks_per_seq, num_kv_heads, block_size, num_blocks);
+    CUPA_PHASE_STAMP(PHASE_STREAM_STARTED);
 
     float acc[MT][4];  // O^T: rows dims F::dim(2i, g) / F::dim(2i + 1, g), columns rows 2c, 2c+1
 #pragma unroll
@@ -91,11 +95,13 @@ CUPA_FN void decode_partition_mma8(
     bool k_valid[WS][2];
     if (PIPELINED) {
         stage = kv.stage(0);
+        CUPA_PHASE_STAMP(PHASE_FIRST_CHUNK);
         load_chunk(stage, 0, cur, k_valid);
     }
     for (int chunk = 0; chunk < kv.chunks; ++chunk) {
         if (!PIPELINED) {
             stage = kv.stage(chunk);
+            if (chunk == 0) CUPA_PHASE_STAMP(PHASE_FIRST_CHUNK);
             load_chunk(stage, chunk, cur, k_valid);
         }
         // The WS steps side by side: independent QK chains, one max and sum update and one
@@ -193,7 +199,9 @@ CUPA_FN void decode_partition_mma8(
             }
         }
     }
+    CUPA_PHASE_STAMP(PHASE_CHUNKS_DONE);
     kv.end_copies();
+    CUPA_PHASE_STAMP(PHASE_COPIES_ENDED);
 
     float (*o_s)[HT][D] = reinterpret_cast<float (*)[HT][D]>(dynamic_shared);
 #pragma unroll
@@ -214,10 +222,12 @@ CUPA_FN void decode_partition_mma8(
         o_s[warp][2 * c + 1][d_hi] = acc[i][3];
     }
     __syncthreads();
+    CUPA_PHASE_STAMP(PHASE_ROWS_SHARED);
     merge_warps_and_store<T, D, HT, NWARPS>(o_s, m_s, l_s, out, lse, part_acc, part_max, part_sum,
                                             sinks, w, NWARPS,
                                             v_factor(kv_scales, w.kv_head, num_kv_heads),
                                             max_partitions, cluster_merge);
+    CUPA_PHASE_STAMP(PHASE_DONE);
 }
 
 }  // namespace cupa

@@ -11,6 +11,38 @@
 
 namespace cupa {
 
+// Per-phase timestamps, for kernel development only (-DCUPA_PHASE_STAMPS through
+// CUPA_EXTRA_OPTIONS; tools/phase_stamps.py reads them). Thread 0 of each workgroup records
+// clock64 at mark k in cupa_phase_stamps[block][k], the global timer at the first and last marks
+// and its multiprocessor. The marks (PHASE_*) are the kernels' phases; without the flag
+// CUPA_PHASE_STAMP is empty.
+enum { PHASE_START, PHASE_CLAIMED, PHASE_STREAM_STARTED, PHASE_FIRST_CHUNK, PHASE_CHUNKS_DONE,
+       PHASE_COPIES_ENDED, PHASE_ROWS_SHARED, PHASE_DONE, PHASE_TIMER_START, PHASE_TIMER_END,
+       PHASE_SM, PHASE_COLUMNS = 16 };
+#ifdef CUPA_PHASE_STAMPS
+constexpr unsigned PHASE_BLOCKS = 16384;  // workgroups recorded (the first of larger grids)
+extern "C" __device__ unsigned long long cupa_phase_stamps[PHASE_BLOCKS][PHASE_COLUMNS];
+__device__ unsigned long long cupa_phase_stamps[PHASE_BLOCKS][PHASE_COLUMNS];
+CUPA_FN void phase_stamp(int k) {
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || b >= PHASE_BLOCKS) return;
+    unsigned long long* row = cupa_phase_stamps[b];
+    row[k] = clock64();
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (k == PHASE_START) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        row[PHASE_TIMER_START] = t;
+        row[PHASE_SM] = sm;
+    }
+    if (k == PHASE_DONE) row[PHASE_TIMER_END] = t;
+}
+#define CUPA_PHASE_STAMP(k) cupa::phase_stamp(cupa::k)
+#else
+#define CUPA_PHASE_STAMP(k)
+#endif
+
 // The 16-bit type the tensor cores multiply in: the query's, or float16 for an fp8 cache (its
 // codes widen exactly to float16; a bfloat16 query is rounded to float16, which keeps its 8
 // mantissa bits and loses only magnitudes outside float16's range).

@@ -206,24 +206,30 @@ struct KvStream {
     }
 };
 
-// The tensor-core kernels' prologue: which work this workgroup owns (begin_partition) and the
-// start of its K/V stream. Returns false when the workgroup has no work. (Requesting the first
-// block ids before the sequence's length was tried: level where every workgroup works, and
-// workgroups with no work, such as those before a sliding window, then had to wait for ids
-// they never used; docs/perf-log.md v13.)
-template <typename T, typename C, int ROWS, int D, int DENSE_STAGES>
-CUPA_FN bool begin_stream(PartitionWork& w, KvStream<C, D, DENSE_STAGES>& kv,
-                          unsigned char* ring, CUPA_PARTITION_PARAMS(T, C)) {
-    if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
-                                     sliding_window, num_tokens, num_heads, num_kv_heads,
-                                     block_size, max_blocks_per_seq, partition_size,
-                                     max_partitions, head_chunks, cluster_merge))
-        return false;
+// The tensor-core kernels' prologue, in two calls with the query loads between them:
+// claim_partition says which work this workgroup owns (false: none), start_stream fetches the
+// block ids of its first chunks (one round trip) and starts its K/V copies. Query fragments
+// loaded between the two are in flight during the ids' round trip instead of after it
+// (docs/perf-log.md v24 step 2). (Requesting the first block ids before the sequence's length was
+// tried: level where every workgroup works, and workgroups with no work, such as those before a
+// sliding window, then had to wait for ids they never used; docs/perf-log.md v13.)
+template <typename T, typename C, int ROWS, int D>
+CUPA_FN bool claim_partition(PartitionWork& w, CUPA_PARTITION_PARAMS(T, C)) {
+    return begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
+                                       sliding_window, num_tokens, num_heads, num_kv_heads,
+                                       block_size, max_blocks_per_seq, partition_size,
+                                       max_partitions, head_chunks, cluster_merge);
+}
+
+template <typename C, int D, int DENSE_STAGES>
+CUPA_FN void start_stream(KvStream<C, D, DENSE_STAGES>& kv, unsigned char* ring,
+                          const PartitionWork& w, const C* key_cache, const C* value_cache,
+                          const i32* block_tables, int max_blocks_per_seq, int num_kv_heads,
+                          int block_size, int num_blocks) {
     kv.begin(ring, key_cache, value_cache,
              paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads, block_size,
                         num_blocks, D),
              w.start);
-    return true;
 }
 
 }  // namespace cupa
