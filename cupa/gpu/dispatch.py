@@ -50,17 +50,22 @@ PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
 #   2 MB mixed (group 16 32 x 2048 54.2 -> 48.5, 16 x 4096 56.6 -> 60.0; MQA 32 x 2048 level);
 #   4 MB slower (group 16 16 x 8192 87.6 -> 110.1; MQA 128 x 1024 56.5 -> 96.8): the L2 traffic.
 # Since v24 (the 16-row kernel's faster prologue and merge, and its plan of one workgroup a
-# multiprocessor, planner.ONE_TILE_ROWS), group 16 at head 128, row chunks -> 16-row: 1 MB
-# level (1 x 32768 35.1 -> 34.8 us, 8 x 4096 33.4 -> 33.7), 2 MB slower for row chunks (8 x 8192
-# 52.3 -> 50.8, 16 x 4096 53.2 -> 50.4; group 4 x 4 new tokens at 8 x 4096 56.4 -> 53.3), so v23's
-# 2 MB for two chunks is gone; fp8 still gains from row chunks up to 1 MB (32 x 2048 32.1 against
-# 33.2, 8 x 4096 23.5 against 24.4).
+# multiprocessor, planner.ONE_TILE_ROWS) for two chunks of an fp8 cache: fp8 group 16, row
+# chunks against the 16-row kernel, 32 x 2048 (1 MB) 32.1 against 33.2 us, 8 x 4096 (0.5 MB)
+# 23.5 against 24.4; 2 MB level (32 x 4096). v23's 2 MB for two chunks at head 128 is gone.
+# (More chunks, as MQA's 8, were not measured again.)
 ROW_CHUNKS_MAX_BYTES_PER_SM = 1 << 20
-# ... and less at the head sizes listed, whose 16-row kernel holds 3 workgroups a multiprocessor:
-# group 16 at head 64, row chunks -> 16-row (v24): 0.5 MB slower for row chunks (1 x 32768 25.1
-# -> 23.9 us, 8 x 4096 23.6 -> 22.0, 32 x 2048 34.5 -> 31.0, 16 x 4096 38.0 -> 32.2), 0.06 MB
+# Two chunks (9-16 rows, the one-tile 16-row kernel's launches) of a 16-bit cache, by head size
+# (that kernel holds 2 workgroups a multiprocessor at head 128, 3 at head 64). Group 16, row
+# chunks -> 16-row (v24): at head 128, 0.76-1 MB slower for row chunks where the batch has many
+# sequences (12 x 2048 30.3 -> 27.6 us, 16 x 2048 34.0 -> 31.7, 6 x 4096 30.5 -> 28.5) and level
+# with few (1 x 32768 35.1 -> 34.8, 8 x 4096 33.4 -> 33.7, 3 x 8192 28.1 -> 27.9), 2 MB slower
+# (8 x 8192 52.3 -> 50.8, 16 x 4096 53.2 -> 50.4; group 4 x 4 new tokens at 8 x 4096 56.4 ->
+# 53.3), 0.5 MB level (8 x 2048 22.4 both, 2 x 8192 22.5 -> 22.7) to faster (1 x 16384 23.8
+# against 24.3, 1 x 4096 at 0.13 MB 14.8 against 15.3); at head 64, 0.5 MB slower (1 x 32768
+# 25.1 -> 23.9, 8 x 4096 23.6 -> 22.0, 32 x 2048 34.5 -> 31.0, 16 x 4096 38.0 -> 32.2), 0.06 MB
 # faster (1 x 4096 12.7 against 13.1).
-ROW_CHUNKS_MAX_BYTES_PER_SM_AT_HEAD = {64: 1 << 17}
+ROW_CHUNKS_TWO_16BIT_MAX_BYTES_PER_SM = {128: 1 << 19, 64: 1 << 17}
 KERNEL_FORMS = ("auto", "portable")  # CUPA_KERNEL; portable: never tensor or matrix cores
 MERGE_FORMS = ("auto", "cluster", "reduce")
 # CUPA_ROW_CHUNKS, where the 16-row kernel serves: auto (the rule above), always (8-row chunks of
@@ -161,8 +166,9 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     wanted = variant.workgroups_per_sm * multiprocessors
     if seq_kv_heads >= wanted:
         return False
-    limit = ROW_CHUNKS_MAX_BYTES_PER_SM_AT_HEAD.get(variant.head_size,
-                                                    ROW_CHUNKS_MAX_BYTES_PER_SM)
+    limit = ROW_CHUNKS_MAX_BYTES_PER_SM
+    if chunks == 2 and not variant.cache:
+        limit = ROW_CHUNKS_TWO_16BIT_MAX_BYTES_PER_SM.get(variant.head_size, limit)
     return chunks * kv_bytes <= limit * multiprocessors
 
 

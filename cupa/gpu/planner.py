@@ -44,9 +44,11 @@ ONE_PER_SM_DENSITY = 0.95
 # chunk's tokens) aims at one workgroup a multiprocessor, not the variant's two, and a uniform
 # batch never gets more. Group 16 on the H200, the 16-row kernel split for two a multiprocessor
 # -> for at most one (docs/perf-log.md v24): 40 x 2048 73.9 -> 58.1 us, 24 x 2048 52.7 -> 41.3,
-# 12 x 2048 29.3 -> 28.1, 16 x 4096 52.0 -> 50.2, 4 x 8192 34.5 -> 32.8, 2 x 16384 36.8 -> 33.0,
-# 1 x 16384 29.0 -> 24.6, 32 x 2048 50.0 -> 48.5. With more tiles (MQA's 64 rows, a tile a
-# warp) two still win: MQA 128 x 1024 43.3 us in 256 workgroups, 50.8 in 128.
+# 16 x 4096 52.0 -> 50.2, 4 x 8192 34.5 -> 32.8, 2 x 16384 36.8 -> 33.0, 1 x 16384 29.0 -> 24.6,
+# 32 x 2048 50.0 -> 48.5. Rounded down rather than to nearest: 12 x 2048 27.7 in 96 workgroups
+# against 29.3 in 144 (though 20 x 2048 lost by it: 40.0 in 80 against 38.0 in 160). With more
+# tiles (MQA's 64 rows, a tile a warp) two still win: MQA 128 x 1024 43.3 us in 256 workgroups,
+# 50.8 in 128.
 ONE_TILE_ROWS = 16
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.

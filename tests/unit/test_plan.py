@@ -130,17 +130,22 @@ def multi_token_shape(batch, seq_len, heads, kv_heads, query_len, head_size):
 
 @pytest.mark.parametrize("batch, seq_len, heads, kv_heads, query_len, head_size, chunks", [
     # The 16-row kernel's problems that were faster as 8-row chunks on the H200 (v21), chunks x
-    # K/V bytes at most 1 MB per multiprocessor (128 KB at head 64) and fewer (sequence, KV
-    # head) pairs than slots (at 1 MB level since v24: 1 x 32768 35.1 against 34.8 us):
-    (1, 4096, 64, 4, 1, 128, 2),      # group 16: 22.1 -> 15.9 us
-    (8, 4096, 64, 4, 1, 128, 2),      # 38.3 -> 34.3
-    (1, 32768, 64, 4, 1, 128, 2),     # 43.9 -> 35.8 (64 MiB, 2 chunks: 0.97 MiB each)
+    # K/V bytes at most 1 MB per multiprocessor (two chunks of a 16-bit cache: 512 KB, 128 KB
+    # at head 64, since v24) and fewer (sequence, KV head) pairs than slots:
+    (1, 4096, 64, 4, 1, 128, 2),      # group 16: 22.1 -> 15.9 us (v24: 15.3 -> 14.8)
+    (1, 16384, 64, 4, 1, 128, 2),     # 0.5 MB (v24): 24.3 -> 23.8
+    (8, 2048, 64, 4, 1, 128, 2),      # 0.5 MB (v24): 22.4 both
     (1, 4096, 32, 8, 4, 128, 2),      # group 4 x 4 new tokens: 26.7 -> 21.6
     (1, 4096, 64, 8, 4, 128, 4),      # group 8 x 4 new tokens: 30.1 -> 26.0
     (8, 4096, 64, 1, 1, 128, 8),      # MQA: 36.4 -> 31.6
     (1, 4096, 64, 4, 1, 64, 2),       # head 64, group 16 at 0.06 MB: 13.1 -> 12.7 (v24)
     # ... and those that were slower or level stay on the 16-row kernel (v24: its faster
     # prologue and merge, one workgroup a multiprocessor; row chunks -> 16-row):
+    (12, 2048, 64, 4, 1, 128, 1),     # group 16 at 0.76 MB: 30.3 -> 27.6
+    (16, 2048, 64, 4, 1, 128, 1),     # 1 MB: 34.0 -> 31.7
+    (6, 4096, 64, 4, 1, 128, 1),      # 0.76 MB: 30.5 -> 28.5
+    (8, 4096, 64, 4, 1, 128, 1),      # 1 MB: 33.4 -> 33.7 (v21, the earlier kernels: 38.3 -> 34.3)
+    (1, 32768, 64, 4, 1, 128, 1),     # 1 MB: 35.1 -> 34.8 (v21: 43.9 -> 35.8)
     (32, 2048, 64, 4, 1, 128, 1),     # group 16 at 2 MB: 50.0 -> 48.1 (v23's 2 MB rule, gone)
     (16, 4096, 64, 4, 1, 128, 1),     # 53.2 -> 50.4
     (8, 8192, 64, 4, 1, 128, 1),      # 52.3 -> 50.8
@@ -180,7 +185,7 @@ def test_small_problems_run_row_chunks_of_the_eight_column_kernel(
     # H200), its splits rounded down (planner.ONE_TILE_ROWS; group 16, v24, us):
     (40, 2048, 64, 4, 1, 2048),   # 160 workgroups unsplit: 58.1, against 73.9 in 320
     (24, 2048, 64, 4, 1, 2048),   # 96 unsplit: 41.3, against 52.7 in 288
-    (12, 2048, 64, 4, 1, 1024),   # 48 x 2 (2.75 rounded down): 28.1, against 29.3 in 48 x 3
+    (12, 2048, 64, 4, 1, 1024),   # 48 x 2 (2.75 rounded down): 27.7, against 29.3 in 48 x 3
     (16, 4096, 64, 4, 1, 2048),   # 64 x 2: 50.2, against 52.0 in 64 x 4
     (8, 8192, 64, 4, 1, 2048),    # 32 x 4: 51.0, against 51.7 in 32 x 8
     (2, 16384, 64, 4, 1, 1024),   # 8 x 16: 33.0, against 36.8 in 8 x 32
@@ -201,6 +206,16 @@ def test_the_one_tile_16_row_kernel_plans_one_workgroup_a_multiprocessor(
     ragged = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
                        total_seq_len=batch * seq_len // 2, max_query_len=query_len)
     assert ragged.partition_size <= plan.partition_size
+
+
+def test_row_chunks_of_an_fp8_cache_keep_the_larger_limit():
+    """Group 16 at 32 x 2048 (two chunks: 2 MB of a 16-bit cache, 1 MB of fp8 a multiprocessor):
+    the 16-row kernel for float16, row chunks for fp8 (v24: 32.1 us against the 16-row
+    kernel's 33.2)."""
+    for kv_format, expected in ((None, (16, 1)), ("fp8_e4m3", (8, 2))):
+        plan = make_plan(shape(batch=32, seq_len=2048, kv_heads=4, kv_format=kv_format),
+                         H200_SMS, arch="sm_90", max_seq_len=2048)
+        assert (plan.variant.heads, plan.head_chunks) == expected, kv_format
 
 
 def test_forcing_row_chunks_or_the_16_row_kernel(switch):
