@@ -16,6 +16,7 @@ import types
 
 import offline_compile
 import pytest
+from amd_emulation_probe import nvrtc_compile
 from offline_compile import missing_for
 
 from cupa import platform
@@ -251,16 +252,8 @@ def test_representative_variants_compile_with_the_hiprtc_header():
 
 
 def _ptx_of(variant, arch="sm_90"):
-    from cupy.cuda import nvrtc
-    program = nvrtc.createProgram(catalogue.batch_source([variant]), "k.cu", [], [])
-    try:
-        virtual = "compute_" + arch.split("_", 1)[1]
-        nvrtc.compileProgram(program, [*Target(arch).runtime_options(), *offline.CUPY_NVRTC_OPTIONS,
-                                       f"--gpu-architecture={virtual}"])
-        text = nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    return text if isinstance(text, str) else text.decode()
+    options = [*Target(arch).runtime_options(), *offline.CUPY_NVRTC_OPTIONS]
+    return nvrtc_compile(catalogue.batch_source([variant]), options, arch)
 
 
 def test_phase_stamps_build_only_when_asked(monkeypatch):
