@@ -3,9 +3,9 @@ are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; t
 each is used.
 
 The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE,
-CUPA_CHAINED_REDUCE) are for tests and benchmarks. They are read once, at first use; code that
-changes them within a process calls `reload_switches()` afterwards (plans made before keep what
-they were made with).
+CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are read once, at
+first use; code that changes them within a process calls `reload_switches()` afterwards (plans
+made before keep what they were made with).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ NATIVE_FP8_MIN_SM = 89  # cvt e4m3x2 (hardware fp8 widening)
 # From sm_90 the reduce is launched as a programmatic dependent of phase 1 (cupa.gpu.driver;
 # griddepcontrol in the kernels), so its launch overlaps phase 1's last wave.
 CHAINED_REDUCE_MIN_SM = 90
+# ... and phase 1 as a programmatic dependent of the kernel ahead of it: where that kernel allows
+# it early (a previous call's reduce or phase 1), phase 1's workgroups become resident while it
+# drains and wait for it before they read anything, so back-to-back calls lose no launch gap
+# between them (docs/perf-log.md v25 step 5). A kernel that does not allow it (a user's, the
+# bench's L2 flush) starts it when it ends, as without the attribute.
+CHAINED_PHASE1_MIN_SM = 90
 # From sm_90 the partitions of a (sequence, KV head) may run as one thread-block cluster and
 # merge through distributed shared memory instead of a reduce launch (merge_cluster in
 # decode_mma.cu), for the tensor-core kernels and up to MAX_CLUSTER partitions. The planner uses
@@ -95,6 +101,7 @@ class Switches:
     row_chunks: str = "auto"      # CUPA_ROW_CHUNKS: auto, always or never (ROW_CHUNK_FORMS)
     dense: str = "auto"           # CUPA_DENSE: auto, always or never (DENSE_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
+    chained_phase1: bool = True   # CUPA_CHAINED_PHASE1=0: ordinary phase-1 launches
 
 
 def _form(name: str, forms: tuple) -> str:
@@ -112,7 +119,8 @@ def switches() -> Switches:
                     merge=_form("CUPA_MERGE", MERGE_FORMS),
                     row_chunks=_form("CUPA_ROW_CHUNKS", ROW_CHUNK_FORMS),
                     dense=_form("CUPA_DENSE", DENSE_FORMS),
-                    chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0")
+                    chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0",
+                    chained_phase1=os.environ.get("CUPA_CHAINED_PHASE1", "1") != "0")
 
 
 def reload_switches() -> None:
@@ -138,6 +146,12 @@ def matrix_eligible(dtype: str, head_size: int, arch: str) -> bool:
 def chains_reduce(arch: str) -> bool:
     """Whether the reduce on `arch` is launched as a programmatic dependent of phase 1."""
     return switches().chained_reduce and sm_number(arch) >= CHAINED_REDUCE_MIN_SM
+
+
+def chains_phase1(arch: str) -> bool:
+    """Whether phase 1 on `arch` is launched as a programmatic dependent of the kernel ahead of
+    it (see CHAINED_PHASE1_MIN_SM)."""
+    return switches().chained_phase1 and sm_number(arch) >= CHAINED_PHASE1_MIN_SM
 
 
 def merges_in_cluster(variant, arch: str, max_partitions: int, head_chunks: int = 1) -> bool:

@@ -31,6 +31,7 @@ _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 PORTABLE_CLUSTER = 8  # the largest cluster every sm_90 part runs without opting in
 LAUNCH_FORMS = ("driver", "cupy")
+LAUNCH_KINDS = ("plain", "dependent", "cluster", "cluster-dependent")  # PreparedLaunch's forms
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte union
@@ -95,6 +96,13 @@ def driver(is_hip: bool) -> Driver | None:
     return Driver(library, plain, extended, set_attribute)
 
 
+def _attribute(kind: int, values) -> _LaunchAttribute:
+    attribute = _LaunchAttribute(id=kind)
+    for i, v in enumerate(values):
+        attribute.value[i] = v
+    return attribute
+
+
 def _scalar(value):
     """A ctypes copy of one scalar kernel argument (cupa passes np.int32 / np.int64 /
     np.float32 scalars; pass np types, since cupy does not type-check its arguments either)."""
@@ -113,7 +121,8 @@ class PreparedLaunch:
     packed once. Calling it with the pointers (ints, 0 for null) and a stream launches.
 
     form: "plain", "dependent" (may start before the stream's previous kernel finishes; the
-    kernel waits with griddepcontrol.wait) or "cluster" (thread-block clusters of `cluster`).
+    kernel waits with griddepcontrol.wait), "cluster" (thread-block clusters of `cluster`) or
+    "cluster-dependent" (both).
     """
 
     def __init__(self, kernel, grid, block, *, pointers: int, scalars: tuple, is_hip: bool,
@@ -124,7 +133,8 @@ class PreparedLaunch:
         self._driver = driver(is_hip)
         if form != "plain" and (self._driver is None or self._driver.extended is None):
             raise RuntimeError(f"{form} launch: the CUDA driver has no cuLaunchKernelEx (driver "
-                               f">= 12.0 needed); set CUPA_MERGE=reduce / CUPA_CHAINED_REDUCE=0")
+                               f">= 12.0 needed); set CUPA_MERGE=reduce, CUPA_CHAINED_REDUCE=0 and "
+                               f"CUPA_CHAINED_PHASE1=0")
         self.pointers = (ctypes.c_uint64 * pointers)()
         self._scalars = [_scalar(v) for v in scalars]
         base = ctypes.addressof(self.pointers)
@@ -132,19 +142,20 @@ class PreparedLaunch:
         addresses += [ctypes.addressof(s) for s in self._scalars]
         self._params = (ctypes.c_void_p * len(addresses))(*addresses)
         self._handle = kernel.kernel.ptr
-        if form == "cluster":
+        if form not in LAUNCH_KINDS:
+            raise ValueError(f"launch form: one of {LAUNCH_KINDS}, got {form!r}")
+        attributes = []
+        if form.startswith("cluster"):
             self._opt_in_cluster(cluster)
-        if form != "plain":
-            attribute = _LaunchAttribute(id=_CLUSTER_DIMENSION if form == "cluster"
-                                         else _PROGRAMMATIC_STREAM_SERIALIZATION)
-            values = cluster if form == "cluster" else (1,)
-            for i, v in enumerate(values):
-                attribute.value[i] = v
-            self._attributes = (_LaunchAttribute * 1)(attribute)
+            attributes.append(_attribute(_CLUSTER_DIMENSION, cluster))
+        if form.endswith("dependent"):
+            attributes.append(_attribute(_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))
+        if attributes:
+            self._attributes = (_LaunchAttribute * len(attributes))(*attributes)
             self._config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid),
                                          block=(ctypes.c_uint * 3)(*self.block),
                                          shared_bytes=self.shared_bytes, stream=None,
-                                         attributes=self._attributes, count=1)
+                                         attributes=self._attributes, count=len(attributes))
             self._config_ref = ctypes.byref(self._config)
 
     def _opt_in_cluster(self, cluster):

@@ -91,15 +91,21 @@ class DecodeLaunch:
                    i32(plan.cluster_merge))
         block = (catalogue.THREADS, 1, 1)
         self.empty = shape.num_seqs == 0
+        # Chained launches (sm_90): the reduce starts during phase 1's last wave, and phase 1
+        # during the kernel ahead of it where that kernel allows (a previous call's; both wait
+        # for the kernel ahead before they read: decode_common.cuh).
+        extended = _has_extended(is_hip)
+        form = "cluster" if plan.cluster_merge else "plain"
+        if dispatch.chains_phase1(info.target.arch) and extended:
+            form = "cluster-dependent" if plan.cluster_merge else "dependent"
+        chained = dispatch.chains_reduce(info.target.arch) and extended
         self.partition = PreparedLaunch(
             compiled[plan.variant.partition_name], grid, block,
             pointers=len(PARTITION_POINTERS), scalars=scalars, is_hip=is_hip,
-            shared_bytes=plan.variant.shared_bytes,
-            form="cluster" if plan.cluster_merge else "plain",
+            shared_bytes=plan.variant.shared_bytes, form=form,
             cluster=(1, plan.max_partitions, 1) if plan.cluster_merge else None)
         self.reduce = None
         if plan.reduce_launch:
-            chained = dispatch.chains_reduce(info.target.arch) and _has_extended(is_hip)
             self.reduce = PreparedLaunch(
                 compiled[plan.variant.reduce_name],
                 (shape.num_heads, plan.max_query_len, shape.num_seqs), block,

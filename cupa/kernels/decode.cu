@@ -253,6 +253,6 @@ CUPA_FN void decode_partition(
 #define CUPA_DECODE_VARIANT(NAME, T, C, D, HT)                                                   \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS)                                  \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
-        cupa::allow_dependent_grid(); /* the reduce may start its setup now */                   \
+        cupa::start_in_chain(); /* see decode_common.cuh */                                     \
         cupa::decode_partition<T, C, D, HT>(CUPA_PARTITION_ARGS);                                \
     }

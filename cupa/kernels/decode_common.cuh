@@ -107,6 +107,34 @@ CUPA_FN int first_partition(int seq_len, int q_len, int sliding_window, int part
     return window_first(seq_len - q_len, sliding_window) / partition_size;
 }
 
+// Programmatic dependent launch (sm_90; cupa/gpu/launch.py). The reduce is a dependent of phase 1,
+// so its workgroups start while phase 1's last wave runs and wait here, after their own setup,
+// until phase 1 has finished and its writes are visible. Phase 1 is a dependent of whatever
+// kernel is ahead of it, which starts it early only if that kernel allows it (a previous call's
+// reduce or phase 1 does): its workgroups wait here before they read anything (start_in_chain,
+// and begin_partition for kernels without it), so they may be resident, not working, while the
+// kernel ahead drains. Both allow their own dependents only once they have waited
+// (start_in_chain). Without the launch attribute, and on other targets, these are no-ops.
+CUPA_FN void wait_for_primary_grid() {
+#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+CUPA_FN void allow_dependent_grid() {
+#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// Wait for the kernel ahead, then let the dependent kernel (the reduce, or the next call's phase
+// 1) start: a phase-1 workgroup's first step, and the reduce's once its setup is done. Allowing
+// them before the wait let the next calls' workgroups become resident ahead of time, several
+// grids deep: back to back, 8 x 4096 and group 16's 32 x 2048 were then 9-10% slower
+// (docs/perf-log.md v25 step 5).
+CUPA_FN void start_in_chain() {
+    wait_for_primary_grid();
+    allow_dependent_grid();
+}
+
 // The slice of work of one phase-1 workgroup: grid x = (KV head, row chunk), y = partition,
 // z = sequence. A sequence with q_len new tokens has q_len * group query rows per KV head,
 // token-major (row = token * group + head in group); a workgroup takes up to ROWS of them, so
@@ -139,6 +167,9 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
                              i32 num_tokens, i32 num_heads, i32 num_kv_heads, i32 block_size,
                              i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
                              i32 head_chunks, i32 cluster_merge) {
+    // Launched as a programmatic dependent (sm_90: back-to-back calls, wait_for_primary_grid),
+    // nothing is read or written before the kernel ahead has finished.
+    wait_for_primary_grid();
     w.num_heads = num_heads;
     w.group = num_heads / num_kv_heads;
     const int chunk = blockIdx.x % head_chunks;
@@ -216,21 +247,6 @@ CUPA_FN PagedRows paged_rows(const PartitionWork& w, const i32* block_tables, in
     return r;
 }
 
-// Programmatic dependent launch (sm_90): the host launches the reduce as a dependent of
-// phase 1 (cupa/chained_launch.py), so its workgroups start while phase 1's last wave runs and
-// wait here, after their own setup, until phase 1 has finished and its writes are visible.
-// Without that launch attribute, and on other targets, these are no-ops.
-CUPA_FN void wait_for_primary_grid() {
-#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-CUPA_FN void allow_dependent_grid() {
-#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Phase 2: merge the partitions of one query row (grid x = head, y = new token, z = sequence).
 // This pass sits between phase 1 and the output, so its latency is what counts, and that is
 // the number of dependent memory round trips. Warp w merges partitions w, w + NWARPS, ... with
@@ -266,7 +282,7 @@ CUPA_FN void decode_reduce(T* __restrict__ out, float* __restrict__ lse,
     const float* pm = part_max + head * max_partitions + first;
     const float* ps = part_sum + head * max_partitions + first;
     const float* pa = part_acc + (head * max_partitions + first) * head_size;
-    wait_for_primary_grid();
+    start_in_chain();  // waits for phase 1, then lets the next call's phase 1 start
 
     float m = neg_inf(), l = 0.0f;  // this warp's running max (log2 domain) and sum
     float acc[GROUPS][4];

@@ -23,7 +23,7 @@
 #define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, C, D)                                           \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS)             \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
-        cupa::allow_dependent_grid(); /* the reduce may start its setup now */                   \
+        cupa::start_in_chain(); /* see decode_common.cuh */                                     \
         cupa::KERNEL<T, C, D>(CUPA_PARTITION_ARGS);                                              \
     }
 
@@ -35,6 +35,6 @@
 #define CUPA_DECODE_MMA_DENSE_VARIANT(NAME, T, C, D, STAGES, WORKGROUPS)                          \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS, WORKGROUPS)                      \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
-        cupa::allow_dependent_grid();                                                            \
+        cupa::start_in_chain();                                                                  \
         cupa::decode_partition_mma8<T, C, D, STAGES>(CUPA_PARTITION_ARGS);                       \
     }

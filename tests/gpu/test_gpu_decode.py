@@ -190,6 +190,35 @@ def test_reduce_launch_forms(rng, switch, chained):
     run_and_check(case, "float16")
 
 
+@pytest.mark.parametrize("chained", ["1", "0"], ids=["chained_phase1", "ordinary_phase1"])
+@pytest.mark.parametrize("partition_size, merge", [(256, "reduce"), (256, "cluster"),
+                                                   (None, "auto")],
+                         ids=["reduce", "cluster", "planned"])
+def test_back_to_back_runs_sharing_a_workspace(rng, switch, chained, partition_size, merge):
+    """Runs of one plan issued back to back, nothing between them, each on its own query into
+    its own output: on sm_90 each run's phase 1 is a programmatic dependent of the previous
+    run's last kernel and may be resident before that kernel ends, so it must not read or
+    write (the shared partials) before it has waited for it. Every output is checked."""
+    import cupy
+    switch("CUPA_CHAINED_PHASE1", chained)
+    switch("CUPA_MERGE", merge)
+    case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=4,
+                     group=8, seq_lens=(5, 700, 1500, 2048, 0, 1023))
+    args, options = to_gpu(case)
+    plan = cupa.plan_decode(*args, **options, partition_size=partition_size)
+    queries = [cupy.asarray(rng.standard_normal(case.query.shape).astype(case.query.dtype))
+               for _ in range(6)]
+    outs = [cupy.full(case.query.shape, np.nan, dtype=case.query.dtype) for _ in queries]
+    for query, out in zip(queries, outs):
+        plan.run(query, *args[1:], out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    for k, (query, out) in enumerate(zip(queries, outs)):
+        host_args = (cupy.asnumpy(query),) + tuple(case.args()[1:])
+        ref, _ = paged_decode_reference(*host_args, **case.options())
+        err = rel_error(cupy.asnumpy(out).astype(np.float64), ref)
+        assert err <= REL_BOUND["float16"], f"run {k} ({plan.merge}): rel error {err:.3g}"
+
+
 @pytest.mark.parametrize("num_partitions", [2, 8, 9, 16])
 def test_cluster_merge_sizes(rng, switch, num_partitions):
     """Partitions merged within clusters of 2 to 16 blocks (above 8 the kernel opts in to

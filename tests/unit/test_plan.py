@@ -458,6 +458,50 @@ def test_reduce_is_chained_from_sm90(switch, arch, chained):
     assert not dispatch.chains_reduce(arch)
 
 
+@pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
+                                           ("sm_90a", True), ("gfx942", False)])
+def test_phase1_is_chained_from_sm90(switch, arch, chained):
+    """Phase 1 as a dependent of the kernel ahead, by its own switch (not the reduce's)."""
+    switch("CUPA_CHAINED_PHASE1", None)
+    switch("CUPA_CHAINED_REDUCE", "0")
+    assert dispatch.chains_phase1(arch) is chained
+    switch("CUPA_CHAINED_PHASE1", "0")
+    switch("CUPA_CHAINED_REDUCE", None)
+    assert not dispatch.chains_phase1(arch)
+    assert dispatch.chains_reduce(arch) is chained
+
+
+def test_prepared_launch_forms_and_their_attributes(monkeypatch):
+    """Each launch form packs its attributes: none, programmatic serialization, the cluster's
+    dimensions, or both; an unknown form is refused before anything is launched."""
+    from cupa.gpu import driver
+
+    fake = driver.Driver(library=None, plain=None, extended=object(), set_attribute=None)
+    monkeypatch.setattr(driver, "driver", lambda is_hip: fake)
+
+    class Kernel:
+        name = "k"
+
+        class kernel:
+            ptr = 0
+
+    def launch(form, cluster=None):
+        return driver.PreparedLaunch(Kernel, (4, 2, 1), (128, 1, 1), pointers=2, scalars=(),
+                                     is_hip=False, form=form, cluster=cluster)
+
+    assert not hasattr(launch("plain"), "_config")
+    dependent = launch("dependent")._config
+    assert dependent.count == 1
+    assert dependent.attributes[0].id == driver._PROGRAMMATIC_STREAM_SERIALIZATION
+    both = launch("cluster-dependent", cluster=(1, 2, 1))._config
+    assert both.count == 2
+    assert [both.attributes[i].id for i in range(2)] == [
+        driver._CLUSTER_DIMENSION, driver._PROGRAMMATIC_STREAM_SERIALIZATION]
+    assert list(both.attributes[0].value[:3]) == [1, 2, 1]
+    with pytest.raises(ValueError, match="launch form"):
+        launch("eager")
+
+
 def test_prepared_launch_scalars_keep_their_c_types():
     """What the driver receives for each kind of scalar the launches pack."""
     import ctypes
