@@ -5,8 +5,14 @@ ptxas and cuobjdump come from PATH or from the PyPI wheels (no CUDA toolkit need
     python3 -m pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump
     python3 tools/kernel_sass.py [--arch sm_90] [--kernel cupa_decode_mma8_f16_d128 ...] [--dump DIR]
 
-The loop reported is the smallest backward-branch loop that holds HMMA instructions: the per-chunk
-loop of the partition kernels (including paths not taken at run time, e.g. soft-capping).
+The build is the runtime's (cupa.gpu.device.Target.runtime_options), so CUPA_EXTRA_OPTIONS
+(e.g. -DCUPA_MMA_MIN_BLOCKS=3) applies here as it does on the device.
+
+"loop" is the smallest backward-branch loop that holds HMMA instructions, with its instruction
+mix: the 16-row kernel's 16-token step, the 8-column kernel's chunk (including paths not taken
+at run time, e.g. soft-capping). "chunk" is the smallest such loop that also holds the ring's
+barrier, and "+N" the instructions of it outside the first: a warp's work once a chunk besides
+its steps, which the 16-row kernel's time follows (docs/perf-log.md v25 step 1).
 """
 import argparse
 import collections
@@ -41,8 +47,8 @@ def ptx(variant, arch):
     from cupy.cuda import nvrtc
     program = nvrtc.createProgram(catalogue.batch_source([variant]), "k.cu", [], [])
     virtual = "compute_" + arch.split("_", 1)[1]
-    nvrtc.compileProgram(program, list(Target(arch).defines()) +
-                         ["--std=c++17", f"--gpu-architecture={virtual}"])
+    nvrtc.compileProgram(program, list(Target(arch).runtime_options()) +
+                         [f"--gpu-architecture={virtual}"])
     text = nvrtc.getPTX(program)
     nvrtc.destroyProgram(program)
     return text if isinstance(text, str) else text.decode()
@@ -61,16 +67,31 @@ def instructions(sass, kernel):
     return out
 
 
-def chunk_loop(code):
-    best = None
+def loops(code):
+    """The backward-branch loops of `code`, as lists of their instructions' text."""
+    found = []
     for address, text in code:
         targets = re.findall(r"0x([0-9a-f]+)", text) if "BRA" in text else []
         if targets and int(targets[-1], 16) < address:
             start = int(targets[-1], 16)
-            body = [t for a, t in code if start <= a <= address]
-            if any("HMMA" in t for t in body) and (best is None or len(body) < len(best)):
-                best = body
-    return best or []
+            found.append([t for a, t in code if start <= a <= address])
+    return found
+
+
+def smallest_loop(code, *needles):
+    """The smallest loop holding an instruction with each of `needles`, or []."""
+    holding = [body for body in loops(code)
+               if all(any(n in t for t in body) for n in needles)]
+    return min(holding, key=len) if holding else []
+
+
+def chunk_loop(code):
+    return smallest_loop(code, "HMMA")
+
+
+def ring_chunk(code):
+    """The smallest loop holding both HMMA and the ring's barrier: the per-chunk loop."""
+    return smallest_loop(code, "HMMA", "BAR.SYNC")
 
 
 def opcode(text):
@@ -102,10 +123,12 @@ def main():
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 Path(args.dump, name + ".sass").write_text(sass)
-            loop = chunk_loop(instructions(sass, name))
+            code = instructions(sass, name)
+            loop, chunk = chunk_loop(code), ring_chunk(code)
             mix = collections.Counter(opcode(t) for t in loop).most_common(8)
             spills, used = (usage.group(1), usage.group(2)) if usage else ("?", "?")
-            print(f"{name:36s} regs {used:>3s} spill {spills:>3s} B | loop {len(loop):4d}: "
+            print(f"{name:36s} regs {used:>3s} spill {spills:>3s} B | chunk {len(chunk):4d} "
+                  f"(+{len(chunk) - len(loop):3d}) | loop {len(loop):4d}: "
                   + " ".join(f"{op} {n}" for op, n in mix))
 
 
