@@ -4,31 +4,21 @@ cupa.gpu.offline.assembly_for). Without clang-19 the latter skip; in CI (CI set)
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
+from tool_module import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = bool(os.environ.get("CI"))
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("amd_isa_counts",
-                                                  ROOT / "tools" / "amd_isa_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-A = load_tool()
+A = tool_module("amd_isa_counts")
 
 
 def need(missing):

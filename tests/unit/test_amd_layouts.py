@@ -5,9 +5,7 @@ run in tests/gpu/test_gpu_amd_emulation.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import pathlib
 import re
 
 import numpy as np
@@ -15,18 +13,14 @@ import pytest
 
 import amd_layouts as L
 from amd_emulation_probe import HEADER, WRAPPERS, layout_of_table
+from tool_module import tool_module
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TABLES = L.table_names()
 
 
 def generator_tables():
     """The (arch, instruction) list tools/amd_matrix_tables.py produces."""
-    spec = importlib.util.spec_from_file_location("amd_matrix_tables",
-                                                  ROOT / "tools" / "amd_matrix_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TABLES
+    return tool_module("amd_matrix_tables").TABLES
 
 
 def copies(layout, matrix):

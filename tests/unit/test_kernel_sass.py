@@ -4,17 +4,11 @@ compared across kernel forms."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tool_module import tool_module
 
 
 def kernel_sass():
-    spec = importlib.util.spec_from_file_location("kernel_sass", ROOT / "tools" / "kernel_sass.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module("kernel_sass")
 
 
 # A chunk loop (0x0040-0x0100) whose barrier and copies surround a step loop (0x0080-0x00c0), and
