@@ -108,7 +108,10 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     key = _cache_key(raw, out, backend, k_scale, v_scale,
                      (scale, sliding_window, logits_soft_cap, kv_format, return_lse,
                       partition_size, max_seq_len, total_seq_len, max_query_len))
-    plan = _plans.get(key) if key is not None else None
+    try:
+        plan = _plans.get(key) if key is not None else None
+    except TypeError:  # an unhashable option: not cached (validation will name it)
+        key = plan = None
     if plan is not None:
         return plan.run_matched(raw, out, stream)
     # Planning allocates nothing for a decode plan; the outputs and workspace of each call are
@@ -196,13 +199,9 @@ def _cache_key(raw, out, backend, k_scale, v_scale, options: tuple):
     k_scale, v_scale = _scale_key(k_scale), _scale_key(v_scale)
     if k_scale is _UNCACHEABLE or v_scale is _UNCACHEABLE:
         return None
-    try:
-        key = (signature, options, k_scale, v_scale,
-               arrays.cupy_module().cuda.runtime.getDevice(), dispatch.switches())
-        hash(key)
-    except TypeError:  # an unhashable option: validation will name it
-        return None
-    return key
+    # Hashed once, by the lookup in `decode` (an unhashable option makes it uncached there).
+    return (signature, options, k_scale, v_scale, arrays.cupy_module().cuda.runtime.getDevice(),
+            dispatch.switches())
 
 
 def _remember(key, plan) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from . import arrays
 from .fp8 import check_kv_format, dequantize_fp8, kv_scales
 from .gpu.device import device_info
-from .gpu.launch import DecodeLaunch, allocate_workspace, kernel_kv_scales, workspace_bytes
+from .gpu.launch import DecodeLaunch, kernel_kv_scales
 from .gpu.occupancy import resident_workgroups
 from .gpu.planner import make_plan
 from .problem import DecodeInputs, DecodeOptions, DecodeShape
@@ -136,7 +136,7 @@ class DecodePlan:
                                       residency=lambda v: resident_workgroups(v, info),
                                       trusted=first_use_guard(info))
         self._launch = DecodeLaunch(self._launch_plan, shape, info.index)
-        _, self._max_offset, self._sum_offset = workspace_bytes(self._launch_plan, shape)
+        self._max_offset, self._sum_offset = self._launch.partial_offsets
         scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale, self.v_scale,
                                   info.index)
         self._scales_ptr = 0 if scales is None else scales.data.ptr
@@ -145,7 +145,7 @@ class DecodePlan:
         if own_outputs:
             self.out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
                                   dtype=query_dtype)
-            self._workspace = allocate_workspace(self._launch_plan, shape)
+            self._workspace = self._launch.new_workspace()
             if options.return_lse:
                 self.lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
         self._lock = threading.Lock()  # the packed arguments are shared by the plan's runs
@@ -229,7 +229,7 @@ class DecodePlan:
                                  dtype=self.query_dtype)
             if self.options.return_lse:
                 lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
-            workspace = allocate_workspace(self._launch_plan, shape)
+            workspace = self._launch.new_workspace()
         elif out is None:
             out = self.out
         acc = 0 if workspace is None else workspace.ptr

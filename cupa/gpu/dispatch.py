@@ -38,12 +38,13 @@ CHAINED_PHASE1_MIN_SM = 90
 # From sm_90 the partitions of a (sequence, KV head) may run as one thread-block cluster and
 # merge through distributed shared memory instead of a reduce launch (merge_cluster in
 # decode_mma.cu), for the tensor-core kernels and up to MAX_CLUSTER partitions. The planner uses
-# clusters of 2 (16 x 16384: 263.0 -> 257.6 us). Larger ones measured level or slower: a
-# 16-block cluster at 1 x 4096 16.7 -> 17.1 us, and clusters of 4 at 8 x 4096 50.5 -> 69.4 us,
-# since only 62 such clusters (248 blocks) are resident at once on the H200 against 264 blocks
-# without clusters, so 64 of them took two waves (docs/perf-log.md v14).
+# clusters of 2 (16 x 16384: 263.0 -> 257.6 us), and up to MAX_CLUSTER for small launches
+# (planner.SMALL_LAUNCH_*), where a call's host time exceeds its GPU time and the reduce is a
+# second launch to enqueue. Larger clusters elsewhere measured level or slower: clusters of 4 at
+# 8 x 4096 50.5 -> 69.4 us, since only 62 such clusters (248 blocks) are resident at once on the
+# H200 against 264 blocks without clusters, so 64 of them took two waves (docs/perf-log.md v14).
 CLUSTER_MERGE_MIN_SM = 90
-PLANNED_CLUSTER = 2  # the largest cluster the planner chooses
+PLANNED_CLUSTER = 2  # the largest cluster the planner chooses, outside small launches
 # More than 8 query rows on a small problem run as row chunks of the 8-column kernel (8 rows a
 # workgroup) instead of the 16-row kernel: more workgroups, each with a shorter matrix and softmax
 # chain, but each K/V byte crosses from L2 to the multiprocessors once per chunk (the chunks of a
@@ -154,13 +155,15 @@ def chains_phase1(arch: str) -> bool:
     return switches().chained_phase1 and sm_number(arch) >= CHAINED_PHASE1_MIN_SM
 
 
-def merges_in_cluster(variant, arch: str, max_partitions: int, head_chunks: int = 1) -> bool:
+def merges_in_cluster(variant, arch: str, max_partitions: int, head_chunks: int = 1,
+                      planned: int = PLANNED_CLUSTER) -> bool:
     """Whether a launch of `variant` with `max_partitions` partitions (and `head_chunks` row
-    chunks per KV head) merges them within clusters: the planner's rule (auto), wherever the
-    kernel can up to MAX_CLUSTER (cluster) or never (reduce). The planner's rule leaves row
-    chunks to the reduce: group 16 at 8 x 4096 41.1 us in pairs against 33.8 in 4 partitions
-    (docs/perf-log.md v21), 16 x 4096 in 2 partitions 55.8 against 54.0 (v23)."""
-    planned = PLANNED_CLUSTER if head_chunks == 1 else 1
+    chunks per KV head) merges them within clusters: the planner's rule (auto: clusters of up to
+    `planned`, the planner's largest for this launch), wherever the kernel can up to MAX_CLUSTER
+    (cluster) or never (reduce). The planner's rule leaves row chunks to the reduce: group 16 at
+    8 x 4096 41.1 us in pairs against 33.8 in 4 partitions (docs/perf-log.md v21), 16 x 4096 in
+    2 partitions 55.8 against 54.0 (v23)."""
+    planned = planned if head_chunks == 1 else 1
     largest = {"auto": planned, "cluster": MAX_CLUSTER, "reduce": 1}[switches().merge]
     return (isinstance(variant, DecodeMmaVariant) and sm_number(arch) >= CLUSTER_MERGE_MIN_SM
             and 1 < max_partitions <= largest)

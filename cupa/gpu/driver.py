@@ -6,10 +6,14 @@ decode kernel's 27 arguments on an H200 host, which is most of a short decode. A
 `PreparedLaunch` builds the argument block once; a call rewrites the pointer arguments (one
 slice assignment) and makes one ctypes call. The same handle cupy compiled is launched:
 
-- CUDA: `cuLaunchKernel` from libcuda, and `cuLaunchKernelEx` for launches with attributes (sm_90:
-  the reduce as a programmatic dependent of phase 1, which may start before phase 1 drains, and
-  phase 1 as thread-block clusters merging in distributed shared memory; docs/perf-log.md v10,
-  v14). Graph capture records these launches like any other.
+- CUDA: `cuLaunchKernelEx` from libcuda for every launch, with its attributes where it has any
+  (sm_90: the reduce as a programmatic dependent of phase 1, which may start before phase 1
+  drains, and phase 1 as thread-block clusters merging in distributed shared memory;
+  docs/perf-log.md v10, v14). Its arguments are ctypes objects made once and it has no
+  `argtypes`, so ctypes converts nothing per call: converting them was 1-3 us of a launch's 5-10
+  on an H200 host (docs/perf-log.md v26 step 2). Drivers older than 12.0 have no
+  `cuLaunchKernelEx`; plain launches then use `cuLaunchKernel`. Graph capture records these
+  launches like any other.
 - HIP: `hipModuleLaunchKernel` from libamdhip64, whose signature is cuLaunchKernel's (written for
   ROCm, not run on AMD hardware). HIP has no launch attributes here: the planner never asks for
   clusters or chained launches on AMD targets.
@@ -87,9 +91,9 @@ def driver(is_hip: bool) -> Driver | None:
     if not is_hip:
         extended = getattr(library, "cuLaunchKernelEx", None)
         if extended is not None:
+            # No argtypes: PreparedLaunch passes (config by reference, handle as c_void_p, the
+            # parameter array, None), all ctypes already, so a call converts nothing.
             extended.restype = ctypes.c_int
-            extended.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p]
         set_attribute = library.cuFuncSetAttribute
         set_attribute.restype = ctypes.c_int
         set_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -142,6 +146,7 @@ class PreparedLaunch:
         addresses += [ctypes.addressof(s) for s in self._scalars]
         self._params = (ctypes.c_void_p * len(addresses))(*addresses)
         self._handle = kernel.kernel.ptr
+        self._handle_arg = ctypes.c_void_p(self._handle)
         if form not in LAUNCH_KINDS:
             raise ValueError(f"launch form: one of {LAUNCH_KINDS}, got {form!r}")
         attributes = []
@@ -150,8 +155,11 @@ class PreparedLaunch:
             attributes.append(_attribute(_CLUSTER_DIMENSION, cluster))
         if form.endswith("dependent"):
             attributes.append(_attribute(_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))
-        if attributes:
-            self._attributes = (_LaunchAttribute * len(attributes))(*attributes)
+        # Every CUDA launch goes through cuLaunchKernelEx where the driver has it (the module
+        # docstring says why); _config is None for the others (HIP, drivers before 12.0).
+        self._config = None
+        if self._driver is not None and self._driver.extended is not None:
+            self._attributes = (_LaunchAttribute * max(1, len(attributes)))(*attributes)
             self._config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid),
                                          block=(ctypes.c_uint * 3)(*self.block),
                                          shared_bytes=self.shared_bytes, stream=None,
@@ -170,14 +178,14 @@ class PreparedLaunch:
         if self._driver is None:
             self._cupy_launch(pointers)
             return
-        if self.form == "plain":
+        if self._config is not None:
+            self._config.stream = stream_ptr
+            status = self._driver.extended(self._config_ref, self._handle_arg, self._params, None)
+        else:
             grid, block = self.grid, self.block
             status = self._driver.plain(self._handle, grid[0], grid[1], grid[2], block[0],
                                         block[1], block[2], self.shared_bytes, stream_ptr,
                                         self._params, None)
-        else:
-            self._config.stream = stream_ptr
-            status = self._driver.extended(self._config_ref, self._handle, self._params, None)
         if status != 0:
             raise RuntimeError(f"kernel launch failed (driver status {status}) for "
                                f"{self.kernel.name}, grid {self.grid}, block {self.block}, "

@@ -8,6 +8,7 @@ reads device memory back or allocates: a call only enqueues work on the stream.
 from __future__ import annotations
 
 import functools
+import operator
 
 import numpy as np
 
@@ -26,6 +27,7 @@ PARTITION_POINTERS = ("out", "lse", "part_acc", "part_max", "part_sum", "query",
 # The reduce kernel's pointer arguments, as indices into PARTITION_POINTERS.
 REDUCE_POINTERS = tuple(PARTITION_POINTERS.index(name) for name in (
     "out", "lse", "part_acc", "part_max", "part_sum", "seq_lens", "query_start_loc", "sinks"))
+_reduce_pointers = operator.itemgetter(*REDUCE_POINTERS)
 WORKSPACE_ALIGNMENT = 256  # bytes between the partial arrays of one workspace allocation
 
 
@@ -44,13 +46,6 @@ def workspace_bytes(plan: LaunchPlan, shape: DecodeShape) -> tuple[int, int, int
     acc = aligned(rows * shape.head_size * 4)
     stats = aligned(rows * 4)
     return acc + 2 * stats, acc, acc + stats
-
-
-def allocate_workspace(plan: LaunchPlan, shape: DecodeShape):
-    """One device allocation for all partials (a cupy MemoryPointer), or None when unneeded.
-    Allocated on the current stream: cupy's pool hands it on only to work ordered after."""
-    total, _, _ = workspace_bytes(plan, shape)
-    return cupy_module().cuda.alloc(total) if total else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,7 +71,9 @@ def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.nda
 
 class DecodeLaunch:
     """A plan's launches, prepared once: phase 1, then the reduce where the partitions neither
-    are one nor merge within clusters. Call it with the 14 pointers of PARTITION_POINTERS."""
+    are one nor merge within clusters. Call it with the 14 pointers of PARTITION_POINTERS; the
+    partials' three come from one allocation of `workspace_bytes` (new_workspace), at
+    `partial_offsets` (part_max, part_sum) past part_acc."""
 
     def __init__(self, plan: LaunchPlan, shape: DecodeShape, device_index: int):
         info = device_info(device_index)
@@ -91,6 +88,8 @@ class DecodeLaunch:
                    i32(plan.cluster_merge))
         block = (catalogue.THREADS, 1, 1)
         self.empty = shape.num_seqs == 0
+        self.workspace_bytes, *offsets = workspace_bytes(plan, shape)
+        self.partial_offsets = tuple(offsets)
         # Chained launches (sm_90): the reduce starts during phase 1's last wave, and phase 1
         # during the kernel ahead of it where that kernel allows (a previous call's; both wait
         # for the kernel ahead before they read: decode_common.cuh).
@@ -115,12 +114,17 @@ class DecodeLaunch:
                          i32(plan.max_partitions), i32(shape.capacity)),
                 form="dependent" if chained else "plain")
 
+    def new_workspace(self):
+        """One device allocation for all partials (a cupy MemoryPointer), or None when unneeded.
+        Allocated on the current stream: cupy's pool hands it on only to work ordered after."""
+        return cupy_module().cuda.alloc(self.workspace_bytes) if self.workspace_bytes else None
+
     def __call__(self, pointers: tuple, stream_ptr: int) -> None:
         if self.empty:
             return
         self.partition(pointers, stream_ptr)
         if self.reduce is not None:
-            self.reduce(tuple(pointers[i] for i in REDUCE_POINTERS), stream_ptr)
+            self.reduce(_reduce_pointers(pointers), stream_ptr)
 
 
 def _has_extended(is_hip: bool) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..problem import MAX_GRID_YZ, DecodeShape
 from . import dispatch
-from .catalogue import DecodeMmaVariant
+from .catalogue import MAX_CLUSTER, DecodeMmaVariant
 
 # Two partitions merged within clusters are planned instead of more partitions and the reduce
 # launch from this many workgroups per multiprocessor (measured at 0.97), for partitions of at
@@ -50,6 +50,21 @@ ONE_PER_SM_DENSITY = 0.95
 # tiles (MQA's 64 rows, a tile a warp) two still win: MQA 128 x 1024 43.3 us in 256 workgroups,
 # 50.8 in 128.
 ONE_TILE_ROWS = 16
+# Small launches merge their partitions in one cluster of up to MAX_CLUSTER (sm_90) instead of by
+# the reduce launch (_small_launch): the 8-column kernel in one wave of at most one workgroup a
+# multiprocessor, each workgroup reading at most SMALL_LAUNCH_MAX_TOKENS tokens and
+# SMALL_LAUNCH_MAX_BYTES of K/V, in a form of two or more workgroups a multiprocessor (not head
+# 256's), whose clusters of 16 leave room for such a grid (224 blocks resident at head 128,
+# docs/perf-log.md v14 step 7). There a call's host time (20-30 us on the H200's hosts) is about
+# twice its GPU time back to back, and the reduce is a second launch to enqueue (~5 us). H200,
+# GQA 8, head 128, reduce -> cluster (docs/perf-log.md v26 step 4), eager back-to-back calls:
+# 1 x 4096 (16 partitions of 256) 33.3 / 31.2 -> 22.3 / 24.8 us, 1 x 8192 30.6 / 28.5 -> 22.6 /
+# 21.6, 2 x 4096 33.6 / 28.3 -> 25.1 / 20.1, 1 x 2048 32.1 / 29.8 -> 22.0 / 25.1; head 64 1 x 4096
+# 26.5 / 30.4 -> 19.2 / 23.7. The kernels' own time (L2 flushed) moves by -0.6 to +0.75 us (1 x
+# 4096: 16.15 -> 16.9). From 1024-token partitions a call is no longer host-bound and clusters
+# lose: 1 x 16384 back to back 24.5 -> 32.0 us, 1 x 32768 40.1 -> 55.3.
+SMALL_LAUNCH_MAX_TOKENS = 512
+SMALL_LAUNCH_MAX_BYTES = 256 << 10
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
 NEARLY_UNIFORM_FILL = 0.9
@@ -139,10 +154,24 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         partition_size = capacity
     if shape.num_seqs > MAX_GRID_YZ:
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
-    cluster = dispatch.merges_in_cluster(variant, arch, max_partitions, head_chunks)
+    small = _small_launch(shape, variant, partition_size, shape.num_seqs * per_seq * max_partitions,
+                          multiprocessors, fill)
+    cluster = dispatch.merges_in_cluster(variant, arch, max_partitions, head_chunks,
+                                         planned=MAX_CLUSTER if small else dispatch.PLANNED_CLUSTER)
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
                       cluster_merge=cluster)
+
+
+def _small_launch(shape: DecodeShape, variant, partition_size: int, workgroups: int,
+                  multiprocessors: int, fill: float) -> bool:
+    """Whether a launch of `workgroups` workgroups is a small one (SMALL_LAUNCH_MAX_TOKENS),
+    whose partitions the planner merges in one cluster rather than by the reduce launch."""
+    kv_bytes = 2 * partition_size * shape.head_size * shape.kv_itemsize  # a workgroup's K and V
+    return (fill >= NEARLY_UNIFORM_FILL and isinstance(variant, DecodeMmaVariant)
+            and variant.rows == 8 and variant.workgroups_per_sm >= 2
+            and workgroups <= multiprocessors and partition_size <= SMALL_LAUNCH_MAX_TOKENS
+            and kv_bytes <= SMALL_LAUNCH_MAX_BYTES)
 
 
 def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks: int,

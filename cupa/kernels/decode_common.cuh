@@ -112,7 +112,7 @@ CUPA_FN int first_partition(int seq_len, int q_len, int sliding_window, int part
 // until phase 1 has finished and its writes are visible. Phase 1 is a dependent of whatever
 // kernel is ahead of it, which starts it early only if that kernel allows it (a previous call's
 // reduce or phase 1 does): its workgroups wait here before they read anything (start_in_chain,
-// and begin_partition for kernels without it), so they may be resident, not working, while the
+// the first call of every phase-1 entry point), so they may be resident, not working, while the
 // kernel ahead drains. Both allow their own dependents only once they have waited
 // (start_in_chain). Without the launch attribute, and on other targets, these are no-ops.
 CUPA_FN void wait_for_primary_grid() {
@@ -167,9 +167,8 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
                              i32 num_tokens, i32 num_heads, i32 num_kv_heads, i32 block_size,
                              i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
                              i32 head_chunks, i32 cluster_merge) {
-    // Launched as a programmatic dependent (sm_90: back-to-back calls, wait_for_primary_grid),
-    // nothing is read or written before the kernel ahead has finished.
-    wait_for_primary_grid();
+    // Every phase-1 entry point has called start_in_chain first: launched as a programmatic
+    // dependent (sm_90), nothing here is read or written before the kernel ahead has finished.
     w.num_heads = num_heads;
     w.group = num_heads / num_kv_heads;
     const int chunk = blockIdx.x % head_chunks;

@@ -376,5 +376,6 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
 #define CUPA_DECODE_MATRIX_VARIANT(NAME, T, C, D, TILES)                                         \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS)                                  \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
+        cupa::start_in_chain(); /* see decode_common.cuh */                                     \
         cupa::decode_partition_matrix<T, C, D, TILES>(CUPA_PARTITION_ARGS);                      \
     }

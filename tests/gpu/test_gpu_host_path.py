@@ -68,6 +68,46 @@ def test_options_that_change_the_result_are_not_served_by_another_plan(rng):
     np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
 
 
+def test_an_unhashable_option_is_named_by_validation(rng):
+    """A device call's options key the plan cache; one that cannot be hashed is not cached and
+    reaches validation, which names it (not a TypeError of the cache lookup)."""
+    _, args, _, _ = device_case(rng, dtype="float16", head_size=128, group=8, seq_lens=(100,))
+    with pytest.raises(ValueError, match="sliding_window"):
+        cupa.decode(*args, sliding_window=[64])
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        cupa.decode(*args, logits_soft_cap={})
+
+
+@pytest.mark.parametrize("seq_len, head_size", [(4000, 128), (2000, 64), (7000, 128)])
+def test_small_launches_are_one_cluster_launch(rng, switch, seq_len, head_size):
+    """One sequence of a few thousand tokens at 8 KV heads plans as a small launch: on sm_90 all
+    its partitions (up to 16) merge in one cluster, with no reduce launch (planner.SMALL_LAUNCH_*);
+    elsewhere the reduce merges them. Either way the output and lse match the reference, as they
+    do with the reduce forced (CUPA_MERGE=reduce), on a NaN-poisoned output."""
+    import cupy
+
+    from cupa.gpu.catalogue import sm_number
+    from cupa.gpu.device import device_info
+    from cupa.gpu.dispatch import CLUSTER_MERGE_MIN_SM
+
+    case, args, ref, ref_lse = device_case(rng, dtype="float16", head_size=head_size,
+                                           num_kv_heads=8, group=8, seq_lens=(seq_len,))
+    arch = device_info().target.arch
+    clusters = not device_info().hip_runtime and sm_number(arch) >= CLUSTER_MERGE_MIN_SM
+    for merge in (None, "reduce"):
+        switch("CUPA_MERGE", merge)
+        cupa.clear_plan_cache()
+        plan = cupa.plan_decode(*args, return_lse=True)
+        assert plan.max_partitions > 2
+        expected = "cluster" if clusters and merge is None else "reduce"
+        assert plan.merge == expected, (arch, plan.max_partitions, plan.partition_size)
+        out = cupy.full(args[0].shape, np.nan, dtype=args[0].dtype)
+        _, lse = cupa.decode(*args, out=out, return_lse=True)
+        assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["float16"]
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
+    cupa.clear_plan_cache()
+
+
 def test_an_out_of_the_wrong_layout_is_refused(rng):
     import cupy
     _, args, _, _ = device_case(rng, dtype="float16", head_size=128, group=8, seq_lens=(100,))

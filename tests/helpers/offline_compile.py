@@ -9,7 +9,10 @@ starts it first when nothing did, e.g. when only tests/offline runs).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 from cupa.__main__ import start_compile
 from cupa.gpu import offline
@@ -18,6 +21,14 @@ from cupa.gpu import offline
 RESULTS_TEST = ("test_compile_offline.py", "test_variants_compile")
 
 _run = None
+
+
+def need_compiler(missing: str | None) -> None:
+    """Skip a test whose offline compiler is `missing` (None: present); in CI (CI set), where
+    .ci/run installs every compiler, fail instead."""
+    if missing:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            f"offline compiler missing: {missing}")
 
 
 def missing_for(arch: str) -> str | None:

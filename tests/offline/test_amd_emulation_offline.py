@@ -5,7 +5,6 @@ follows. In CI (CI set) a missing compiler fails instead of skipping."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -16,18 +15,12 @@ import amd_layouts as L
 from amd_emulation_probe import (HEADER, TARGETS, THREADS, emulated_options, hip_clang,
                                  hip_compile, nvrtc_compile, nvrtc_missing, source,
                                  wrappers_of)
-
-IN_CI = bool(os.environ.get("CI"))
-
-
-def need(missing):
-    if missing:
-        (pytest.fail if IN_CI else pytest.skip)(f"offline compiler missing: {missing}")
+from offline_compile import need_compiler
 
 
 @pytest.fixture
 def nvrtc():
-    need(nvrtc_missing())
+    need_compiler(nvrtc_missing())
 
 
 def header_text():
@@ -136,7 +129,8 @@ def test_real_amd_build_emits_the_tabled_instructions(gfx):
     """Compiled for the real target, the wrappers are AMD's builtins, and the instructions in
     the assembly are exactly those of the tables the emulation follows (no more: a wrapper
     that does not exist on a target is not defined there)."""
-    need(None if hip_clang() else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
+    need_compiler(None if hip_clang()
+                  else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
     asm = hip_compile(source(gfx, wave_ops=False), gfx)
     emitted = set(re.findall(r"\bv_(?:mfma|wmma|smfmac|swmmac)\w*", asm))
     assert emitted == {L.load(t).instruction for t in wrappers_of(gfx).values()}
@@ -144,7 +138,8 @@ def test_real_amd_build_emits_the_tabled_instructions(gfx):
 
 @pytest.mark.parametrize("gfx", sorted(TARGETS))
 def test_real_amd_build_with_common(gfx):
-    need(None if hip_clang() else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
+    need_compiler(None if hip_clang()
+                  else "clang + HIP headers (apt-get install clang-19 libamdhip64-dev)")
     src = expanded_source("common.cuh") + """
 extern "C" __global__ void k(float* x) { x[threadIdx.x] = warp_sum(x[threadIdx.x]); }
 """

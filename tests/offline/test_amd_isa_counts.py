@@ -4,7 +4,6 @@ cupa.gpu.offline.assembly_for). Without clang-19 the latter skip; in CI (CI set)
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -12,18 +11,13 @@ from pathlib import Path
 import pytest
 
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
+from offline_compile import need_compiler
 from tool_module import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
-IN_CI = bool(os.environ.get("CI"))
 
 
 A = tool_module("amd_isa_counts")
-
-
-def need(missing):
-    if missing:
-        (pytest.fail if IN_CI else pytest.skip)(f"offline compiler missing: {missing}")
 
 
 # A loop as clang prints it: header BB0_1, a divergent `if` (execz), a uniform branch around a
@@ -98,8 +92,9 @@ def test_rates_match_the_matrix_calculator_tables():
 
 @pytest.fixture(scope="module")
 def gfx942():
-    need(None if shutil.which("clang-19") else "clang-19 (apt-get install clang-19 lld-19)")
-    need(A.offline.hip_toolchain_missing("gfx942"))
+    need_compiler(None if shutil.which("clang-19")
+                  else "clang-19 (apt-get install clang-19 lld-19)")
+    need_compiler(A.offline.hip_toolchain_missing("gfx942"))
     return "gfx942"
 
 

@@ -489,7 +489,7 @@ def test_prepared_launch_forms_and_their_attributes(monkeypatch):
         return driver.PreparedLaunch(Kernel, (4, 2, 1), (128, 1, 1), pointers=2, scalars=(),
                                      is_hip=False, form=form, cluster=cluster)
 
-    assert not hasattr(launch("plain"), "_config")
+    assert launch("plain")._config.count == 0  # cuLaunchKernelEx with no attribute
     dependent = launch("dependent")._config
     assert dependent.count == 1
     assert dependent.attributes[0].id == driver._PROGRAMMATIC_STREAM_SERIALIZATION
@@ -518,9 +518,12 @@ def test_prepared_launch_scalars_keep_their_c_types():
         driver._scalar(3)  # a Python int would be ambiguous: never packed
 
 
-def test_prepared_launch_packs_pointers_then_scalars(monkeypatch):
+@pytest.mark.parametrize("entry", ["cuLaunchKernelEx", "cuLaunchKernel"])
+def test_prepared_launch_packs_pointers_then_scalars(monkeypatch, entry):
     """The argument block a PreparedLaunch hands the driver: one slot per pointer, then the
-    scalars, each slot pointing at its value; a call rewrites only the pointer slots."""
+    scalars, each slot pointing at its value; a call rewrites only the pointer slots. CUDA
+    launches go through cuLaunchKernelEx (its config carrying grid, block, shared memory and
+    stream); a driver without it (before 12.0) gets cuLaunchKernel with the same block."""
     import ctypes
 
     import numpy as np
@@ -529,13 +532,28 @@ def test_prepared_launch_packs_pointers_then_scalars(monkeypatch):
 
     seen = []
 
-    def fake_launch(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+    def record(handle, grid, block, shared, stream, params):
         slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-        seen.append((handle, (gx, gy, gz), (bx, by, bz), shared, stream,
+        seen.append((handle, tuple(grid), tuple(block), shared, stream,
                      [ctypes.c_uint64.from_address(slots[i]).value for i in range(2)],
                      ctypes.c_int32.from_address(slots[2]).value,
                      ctypes.c_float.from_address(slots[3]).value))
         return 0
+
+    def fake_plain(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        return record(handle, (gx, gy, gz), (bx, by, bz), shared, stream, params)
+
+    def fake_extended(config_ref, handle, params, extra):
+        # ctypes objects, as the real entry point (no argtypes) receives them
+        assert isinstance(handle, ctypes.c_void_p) and extra is None
+        config = config_ref._obj
+        assert config.count == 0
+        return record(handle.value, config.grid, config.block, config.shared_bytes,
+                      config.stream, params)
+
+    extended = fake_extended if entry == "cuLaunchKernelEx" else None
+    monkeypatch.setattr(driver, "driver", lambda is_hip: driver.Driver(None, fake_plain,
+                                                                        extended, None))
 
     class Kernel:
         name = "k"
@@ -543,8 +561,6 @@ def test_prepared_launch_packs_pointers_then_scalars(monkeypatch):
         class kernel:
             ptr = 0xABC
 
-    monkeypatch.setattr(driver, "driver", lambda is_hip: driver.Driver(None, fake_launch, None,
-                                                                        None))
     launch = driver.PreparedLaunch(Kernel, (3, 2, 1), (128, 1, 1), pointers=2,
                                    scalars=(np.int32(5), np.float32(0.25)), is_hip=False,
                                    shared_bytes=64)
@@ -562,11 +578,44 @@ def test_launches_with_attributes_without_the_driver_call_say_what_to_do(monkeyp
                               is_hip=False, form="cluster", cluster=(1, 2, 1))
 
 
+@pytest.mark.parametrize("problem, cluster", [
+    (dict(batch=1, seq_len=4096), 16),    # 16 partitions of 256: 128 workgroups
+    (dict(batch=1, seq_len=2048), 8),
+    (dict(batch=2, seq_len=4096), 8),     # 8 of 512
+    (dict(batch=1, seq_len=8192), 16),    # 16 of 512
+    (dict(batch=1, seq_len=4096, head_size=64), 16),
+    (dict(batch=1, seq_len=4096, kv_format="fp8_e4m3"), 16),
+    (dict(batch=1, seq_len=16384), 0),    # 1024-token partitions: no longer host-bound
+    (dict(batch=1, seq_len=32768, kv_format="fp8_e4m3"), 0),
+    (dict(batch=1, seq_len=4096, head_size=256), 0),  # one workgroup a multiprocessor
+    (dict(batch=4, seq_len=4096), 0),     # 4 of 1024
+    (dict(batch=1, seq_len=4096, heads=128), 0),  # group 16: row chunks, left to the reduce
+])
+def test_small_launches_merge_in_one_cluster(switch, problem, cluster):
+    """Launches of the 8-column kernel in one wave of at most one workgroup a multiprocessor,
+    each reading at most 512 tokens (256 KB of K/V), merge all their partitions in one cluster
+    on sm_90 (planner.SMALL_LAUNCH_*): one launch where the reduce would be a second."""
+    switch("CUPA_MERGE", None)
+    L = problem["seq_len"]
+    plan = make_plan(shape(**problem), H200_SMS, arch="sm_90", max_seq_len=L)
+    if cluster:
+        assert plan.cluster_merge and not plan.reduce_launch
+        assert plan.max_partitions == cluster
+    else:
+        assert not plan.cluster_merge and plan.reduce_launch
+    s = shape(**problem)
+    assert make_plan(s, H200_SMS, arch="sm_80", max_seq_len=L).reduce_launch  # no clusters
+    ragged = make_plan(s, H200_SMS, arch="sm_90", max_seq_len=L, total_seq_len=L // 2)
+    assert ragged.reduce_launch or ragged.single_partition or s.num_seqs == 1
+    switch("CUPA_MERGE", "reduce")
+    assert make_plan(s, H200_SMS, arch="sm_90", max_seq_len=L).reduce_launch
+
+
 def test_partitions_merge_in_clusters_of_two_on_sm90(switch):
     switch("CUPA_MERGE", None)
     two = make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90", max_seq_len=16384)
     assert two.max_partitions == 2 and two.cluster_merge and not two.reduce_launch
-    many = make_plan(shape(batch=1, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
+    many = make_plan(shape(batch=1, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)
     assert many.max_partitions > 2 and not many.cluster_merge and many.reduce_launch
     on_sm80 = make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_80")
     assert on_sm80.max_partitions == 2 and not on_sm80.cluster_merge and on_sm80.reduce_launch

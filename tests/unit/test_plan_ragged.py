@@ -21,14 +21,15 @@ MAIN_SHAPES = ((1, 4096), (1, 32768), (8, 4096), (16, 16384), (32, 2048), (64, 4
 # 132 multiprocessors, 2 resident workgroups), computed before the total-length hint existed;
 # docs/performance.md, "What that means for the main table". Since v23 1 x 32768 takes one
 # workgroup a multiprocessor (planner.ONE_PER_SM_DENSITY): 16 partitions of 2048, not 32 of 1024.
+# Since v26 1 x 4096's 16 partitions merge in one cluster, a small launch (planner.SMALL_LAUNCH_*).
 MAIN_PLANS = {
-    (1, 4096): (256, 16, False), (1, 32768): (2048, 16, False), (8, 4096): (2048, 2, True),
+    (1, 4096): (256, 16, True), (1, 32768): (2048, 16, False), (8, 4096): (2048, 2, True),
     (16, 16384): (8192, 2, True), (32, 2048): (2048, 1, False), (64, 4096): (4096, 1, False),
     (128, 1024): (1024, 1, False), (256, 2048): (2048, 1, False),
 }
 # The same for the breadth configurations and the fp8 cache, over MAIN_SHAPES in order
 # (no residency given: as on a machine without the occupancy query).
-LIKE_THE_MAIN_TABLE = [(256, 16, False), (2048, 16, False), (2048, 2, True), (8192, 2, True),
+LIKE_THE_MAIN_TABLE = [(256, 16, True), (2048, 16, False), (2048, 2, True), (8192, 2, True),
                        (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]
 # Head 64 keeps two workgroups a multiprocessor at 1 x 32768 (level or slower at one, v23).
 LIKE_THE_MAIN_TABLE_HEAD64 = [(1024, 32, False) if i == 1 else p

@@ -1,0 +1,90 @@
+"""Every decode kernel launched in a programmatic chain on sm_90 waits for the kernel ahead before
+it touches global memory, and allows its dependents only after that wait (start_in_chain in
+decode_common.cuh; docs/perf-log.md v25 step 5, v26 step 5). Checked in the PTX NVRTC makes for
+sm_90, the order in which the kernels' source issues them, since a phase 1 that read a previous
+call's output before its wait, or let the next call in before its own, would race.
+"""
+
+import re
+
+import pytest
+from amd_emulation_probe import nvrtc_compile
+from offline_compile import need_compiler
+
+from cupa.gpu import catalogue, offline
+from cupa.gpu.device import Target
+
+# One variant of each phase-1 kernel family (its entry macro): portable, 8-column, 16-row and
+# the 8-column kernel's dense form; each module also holds its dtype's reduce.
+VARIANTS = [
+    catalogue.DecodeVariant("float16", 128, 8),
+    catalogue.DecodeMmaVariant("float16", 128, 8),
+    catalogue.DecodeMmaVariant("bfloat16", 64, 16),
+    catalogue.DecodeMmaVariant("float16", 64, 8, dense=True),
+]
+# A PTX line that touches global memory.
+GLOBAL_ACCESS = re.compile(r"(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+
+
+def entry_bodies(ptx: str) -> dict[str, str]:
+    """PTX text of each .entry, by name (from its header to the next entry's)."""
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\w+)", ptx)]
+    ends = [s for s, _ in starts[1:]] + [len(ptx)]
+    return {name: ptx[start:end] for (start, name), end in zip(starts, ends)}
+
+
+@pytest.fixture(scope="module")
+def bodies():
+    need_compiler(offline.nvrtc_missing())
+    options = list(offline.nvrtc_options(Target("sm_90")))
+    options.remove("--gpu-architecture=sm_90")  # nvrtc_compile adds it
+    found = {}
+    for variant in VARIANTS:
+        found.update(entry_bodies(nvrtc_compile(catalogue.module_source(variant), options)))
+    return found
+
+
+def accesses_through(lines: list[str], params: set[str]) -> list[str]:
+    """The global accesses among PTX `lines` whose address derives from the kernel parameters
+    `params` (a forward taint over registers, from their ld.param)."""
+    tainted, found = set(), []
+    for line in lines:
+        fields = re.findall(r"%\w+|\[\w+\]", line)
+        if line.startswith("ld.param") and any(f"[{p}]" in fields for p in params):
+            tainted.add(fields[0])
+        elif fields and any(f.strip("[]") in tainted for f in fields[1:]):
+            if GLOBAL_ACCESS.match(line):
+                found.append(line)
+            tainted.add(fields[0])
+    return found
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.partition_name)
+def test_entry_points_wait_before_reading_and_allow_dependents_after(bodies, variant):
+    for name in variant.entry_names:
+        body = bodies[name]
+        assert body.count("griddepcontrol.wait") == 1, f"{name}: not one wait a workgroup"
+        assert body.count("griddepcontrol.launch_dependents") == 1, name
+        wait = body.find("griddepcontrol.wait")
+        assert wait < body.find("griddepcontrol.launch_dependents"), (
+            f"{name}: dependents allowed before the wait")
+        before = [line.strip() for line in body[:wait].splitlines()]
+        accesses = [line for line in before if GLOBAL_ACCESS.match(line)]
+        if name == variant.partition_name:
+            assert not accesses, f"{name}: global accesses before its wait: {accesses}"
+            continue
+        # The reduce sets up first: it may read the lengths (seq_lens, query_start_loc), which
+        # phase 1 never writes, but neither the partials nor the outputs before its wait.
+        assert not [a for a in accesses if not a.startswith("ld.")], f"{name}: a store first"
+        written = {f"{name}_param_{i}" for i in range(5)}  # out, lse and the three partials
+        assert not accesses_through(before, written), f"{name}: reads phase 1's output early"
+        assert accesses, f"{name}: the lengths are read in the wait's shadow (pattern stale?)"
+
+
+def test_sm80_has_no_griddepcontrol():
+    """Before sm_90 the instructions are compiled out (the launch path never chains there)."""
+    need_compiler(offline.nvrtc_missing())
+    options = list(offline.nvrtc_options(Target("sm_80")))
+    options.remove("--gpu-architecture=sm_80")
+    ptx = nvrtc_compile(catalogue.module_source(VARIANTS[1]), options, arch="sm_80")
+    assert "griddepcontrol" not in ptx
