@@ -136,7 +136,6 @@ class DecodePlan:
                                       residency=lambda v: resident_workgroups(v, info),
                                       trusted=first_use_guard(info))
         self._launch = DecodeLaunch(self._launch_plan, shape, info.index)
-        self._max_offset, self._sum_offset = self._launch.partial_offsets
         scales = kernel_kv_scales(self._launch_plan, self.fmt, self.k_scale, self.v_scale,
                                   info.index)
         self._scales_ptr = 0 if scales is None else scales.data.ptr
@@ -232,9 +231,8 @@ class DecodePlan:
             workspace = self._launch.new_workspace()
         elif out is None:
             out = self.out
-        acc = 0 if workspace is None else workspace.ptr
-        pointers = (out.data.ptr, 0 if lse is None else lse.data.ptr, acc,
-                    acc and acc + self._max_offset, acc and acc + self._sum_offset,
+        pointers = (out.data.ptr, 0 if lse is None else lse.data.ptr,
+                    *self._launch.partial_pointers(workspace),
                     raw[0].data.ptr, raw[1].data.ptr, raw[2].data.ptr, self._scales_ptr,
                     raw[3].data.ptr, raw[4].data.ptr,
                     0 if raw[5] is None else raw[5].data.ptr,

@@ -72,8 +72,8 @@ def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.nda
 class DecodeLaunch:
     """A plan's launches, prepared once: phase 1, then the reduce where the partitions neither
     are one nor merge within clusters. Call it with the 14 pointers of PARTITION_POINTERS; the
-    partials' three come from one allocation of `workspace_bytes` (new_workspace), at
-    `partial_offsets` (part_max, part_sum) past part_acc."""
+    partials' three come from one allocation of `workspace_bytes` (new_workspace), laid out
+    as `partial_pointers` says."""
 
     def __init__(self, plan: LaunchPlan, shape: DecodeShape, device_index: int):
         info = device_info(device_index)
@@ -88,8 +88,7 @@ class DecodeLaunch:
                    i32(plan.cluster_merge))
         block = (catalogue.THREADS, 1, 1)
         self.empty = shape.num_seqs == 0
-        self.workspace_bytes, *offsets = workspace_bytes(plan, shape)
-        self.partial_offsets = tuple(offsets)
+        self.workspace_bytes, self._max_offset, self._sum_offset = workspace_bytes(plan, shape)
         # Chained launches (sm_90): the reduce starts during phase 1's last wave, and phase 1
         # during the kernel ahead of it where that kernel allows (a previous call's; both wait
         # for the kernel ahead before they read: decode_common.cuh).
@@ -118,6 +117,14 @@ class DecodeLaunch:
         """One device allocation for all partials (a cupy MemoryPointer), or None when unneeded.
         Allocated on the current stream: cupy's pool hands it on only to work ordered after."""
         return cupy_module().cuda.alloc(self.workspace_bytes) if self.workspace_bytes else None
+
+    def partial_pointers(self, workspace) -> tuple[int, int, int]:
+        """The (part_acc, part_max, part_sum) pointers in a workspace of new_workspace, or three
+        nulls for None (no partials: the kernels never read them)."""
+        if workspace is None:
+            return 0, 0, 0
+        acc = workspace.ptr
+        return acc, acc + self._max_offset, acc + self._sum_offset
 
     def __call__(self, pointers: tuple, stream_ptr: int) -> None:
         if self.empty:

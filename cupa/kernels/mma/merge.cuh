@@ -70,7 +70,8 @@ CUPA_FN void cluster_load4(u32 address, float* x) {
 
 // The cross-partition merge: row r's max and sum are row_m[r], row_l[r] and its unnormalised
 // output o_s[w0][tr] in every working block of the cluster (its rank is its partition). Each
-// working block takes a slice of the (row, 4 columns) units; each unit's loads from all
+// working block takes an equal, contiguous slice of the (row, 4 columns) units, so that each
+// pulls 1/parts of the partials over the cluster's network; each unit's loads from all
 // partitions are issued before any is used.
 template <typename T, int D, int TILE_ROWS>
 CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const float* row_l,
@@ -79,8 +80,10 @@ CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const
     constexpr int GROUPS = D / 4;
     cluster_sync();  // every working block's rows are in its shared memory
     const int units = w.nh * GROUPS;
-    for (int u = (w.part - w.first) * CUPA_THREADS + threadIdx.x; u < units;
-         u += w.parts * CUPA_THREADS) {
+    const int slice = (units + w.parts - 1) / w.parts;
+    const int slice_start = (w.part - w.first) * slice;
+    const int slice_end = cmin(slice_start + slice, units);
+    for (int u = slice_start + threadIdx.x; u < slice_end; u += CUPA_THREADS) {
         const int r = u / GROUPS, col = 4 * (u % GROUPS);
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float mp[MAX_CLUSTER], lp[MAX_CLUSTER], op[MAX_CLUSTER][4];
