@@ -60,9 +60,10 @@ ONE_TILE_ROWS = 16
 # GQA 8, head 128, reduce -> cluster (docs/perf-log.md v26 step 4), eager back-to-back calls:
 # 1 x 4096 (16 partitions of 256) 33.3 / 31.2 -> 22.3 / 24.8 us, 1 x 8192 30.6 / 28.5 -> 22.6 /
 # 21.6, 2 x 4096 33.6 / 28.3 -> 25.1 / 20.1, 1 x 2048 32.1 / 29.8 -> 22.0 / 25.1; head 64 1 x 4096
-# 26.5 / 30.4 -> 19.2 / 23.7. The kernels' own time (L2 flushed) moves by -0.6 to +0.75 us (1 x
-# 4096: 16.15 -> 16.9). From 1024-token partitions a call is no longer host-bound and clusters
-# lose: 1 x 16384 back to back 24.5 -> 32.0 us, 1 x 32768 40.1 -> 55.3.
+# 26.5 / 30.4 -> 19.2 / 23.7. The kernels' own time (L2 flushed) moved by -0.6 to +0.75 us (1 x
+# 4096: 16.15 -> 16.9) until every block merged an equal slice (merge_cluster; v27 step 1: 1 x
+# 4096 16.4, the reduce's). From 1024-token partitions a call is no longer host-bound and
+# clusters lose: 1 x 16384 back to back 24.5 -> 32.0 us, 1 x 32768 40.1 -> 55.3 (v27: again).
 SMALL_LAUNCH_MAX_TOKENS = 512
 SMALL_LAUNCH_MAX_BYTES = 256 << 10
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
