@@ -196,9 +196,10 @@ def _cache_key(raw, out, backend, k_scale, v_scale, options: tuple):
     signature = device_signature(raw + (out,))
     if signature is None:
         return None
-    k_scale, v_scale = _scale_key(k_scale), _scale_key(v_scale)
-    if k_scale is _UNCACHEABLE or v_scale is _UNCACHEABLE:
-        return None
+    if k_scale is not None or v_scale is not None:  # fp8 scales, as hashable stand-ins
+        k_scale, v_scale = _scale_key(k_scale), _scale_key(v_scale)
+        if k_scale is _UNCACHEABLE or v_scale is _UNCACHEABLE:
+            return None
     # Hashed once, by the lookup in `decode` (an unhashable option makes it uncached there).
     return (signature, options, k_scale, v_scale, arrays.cupy_module().cuda.runtime.getDevice(),
             dispatch.switches())

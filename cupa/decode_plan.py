@@ -84,15 +84,14 @@ def device_signature(raw: tuple):
     """(shape, dtype, strides) of every array when all are cupy arrays (None stays None), else
     None: what a run compares with its plan instead of validating again."""
     cupy_ndarray = arrays.cupy_ndarray()
-    signature = []
     for x in raw:
-        if x is None:
-            signature.append(None)
-        elif type(x) is cupy_ndarray:
-            signature.append((x.shape, x.dtype, x.strides))
-        else:
+        if x is not None and type(x) is not cupy_ndarray:
             return None
-    return tuple(signature)
+    # One list comprehension: half the host time of a loop of appends (it runs on every call).
+    return tuple([None if x is None else (x.shape, x.dtype, x.strides) for x in raw])
+
+
+_FLOAT32 = np.dtype(np.float32)
 
 
 class DecodePlan:
@@ -124,6 +123,7 @@ class DecodePlan:
         item = self.query_dtype.itemsize if query_dtype is not None else 0
         self._out_signature = (rows, np.dtype(query_dtype),
                                (item * rows[1] * rows[2], item * rows[2], item))
+        self._out_shape, self._lse_shape = rows, rows[:2]
         self._launch_plan = None
         if backend != "gpu":
             return
@@ -142,11 +142,10 @@ class DecodePlan:
         self._scales = scales  # kept alive with the plan
         self._workspace = None
         if own_outputs:
-            self.out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
-                                  dtype=query_dtype)
+            self.out = cupy.empty(self._out_shape, dtype=query_dtype)
             self._workspace = self._launch.new_workspace()
             if options.return_lse:
-                self.lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
+                self.lse = cupy.empty(self._lse_shape, dtype=np.float32)
         self._lock = threading.Lock()  # the packed arguments are shared by the plan's runs
 
     @property
@@ -222,12 +221,12 @@ class DecodePlan:
         stream_ptr = cupy.cuda.get_current_stream().ptr
         lse, workspace = self.lse, self._workspace
         if not self.own_outputs:  # a plan of cupa.decode: new buffers on this stream per call
-            shape = self.shape
+            # cupy.ndarray itself, with the shape and dtype objects made once: cupy.empty's
+            # argument handling was about a fifth of a cached decode call's Python.
             if out is None:
-                out = cupy.empty((shape.num_tokens, shape.num_heads, shape.head_size),
-                                 dtype=self.query_dtype)
+                out = cupy.ndarray(self._out_shape, self.query_dtype)
             if self.options.return_lse:
-                lse = cupy.empty((shape.num_tokens, shape.num_heads), dtype=np.float32)
+                lse = cupy.ndarray(self._lse_shape, _FLOAT32)
             workspace = self._launch.new_workspace()
         elif out is None:
             out = self.out

@@ -95,7 +95,10 @@ DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
 DENSE_FORMS = ("auto", "always", "never")
 
 
-@dataclass(frozen=True)
+# Compared and hashed by identity (eq=False): switches() returns one object until
+# reload_switches(), and cupa.decode's plan cache keys on it, which a field-wise hash would cost
+# a third of a microsecond on every call.
+@dataclass(frozen=True, eq=False)
 class Switches:
     kernel: str = "auto"          # CUPA_KERNEL: auto, or portable (no tensor / matrix cores)
     merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce

@@ -16,7 +16,11 @@ slice assignment) and makes one ctypes call. The same handle cupy compiled is la
   launches like any other.
 - HIP: `hipModuleLaunchKernel` from libamdhip64, whose signature is cuLaunchKernel's (written for
   ROCm, not run on AMD hardware). HIP has no launch attributes here: the planner never asks for
-  clusters or chained launches on AMD targets.
+  clusters or chained launches on AMD targets. This "plain" call takes prebuilt ctypes
+  arguments too (no `argtypes`), so it converts nothing per call either; on CUDA,
+  `CUPA_LAUNCH=plain` sends every launch through cuLaunchKernel the same way, which is how the
+  GPU tests run HIP's launch code on an NVIDIA device (launches that need attributes then
+  refuse and say which switches to set).
 
 Where the library or an entry point is missing, the launch falls back to cupy's call, and
 `CUPA_LAUNCH=cupy` (read once) forces that.
@@ -34,7 +38,7 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 PORTABLE_CLUSTER = 8  # the largest cluster every sm_90 part runs without opting in
-LAUNCH_FORMS = ("driver", "cupy")
+LAUNCH_FORMS = ("driver", "plain", "cupy")  # CUPA_LAUNCH
 LAUNCH_KINDS = ("plain", "dependent", "cluster", "cluster-dependent")  # PreparedLaunch's forms
 
 
@@ -49,11 +53,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attributes", ctypes.POINTER(_LaunchAttribute)), ("count", ctypes.c_uint)]
 
 
-_DIMS = [ctypes.c_uint] * 6
-_PLAIN_ARGTYPES = [ctypes.c_void_p, *_DIMS, ctypes.c_uint, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p]
-
-
 class Driver:
     """The launch entry points of the loaded driver library (CUDA or HIP)."""
 
@@ -66,7 +65,8 @@ class Driver:
 
 @functools.lru_cache(maxsize=None)
 def driver(is_hip: bool) -> Driver | None:
-    """The driver of this platform, or None where it cannot be loaded (or CUPA_LAUNCH=cupy)."""
+    """The driver of this platform, or None where it cannot be loaded (or CUPA_LAUNCH=cupy).
+    CUPA_LAUNCH=plain leaves out cuLaunchKernelEx (CUDA launches as HIP's are made)."""
     form = os.environ.get("CUPA_LAUNCH", "driver")
     if form not in LAUNCH_FORMS:
         raise ValueError(f"CUPA_LAUNCH: one of {LAUNCH_FORMS}, got {form!r}")
@@ -86,10 +86,12 @@ def driver(is_hip: bool) -> Driver | None:
     plain = getattr(library, "hipModuleLaunchKernel" if is_hip else "cuLaunchKernel", None)
     if plain is None:
         return None
-    plain.restype, plain.argtypes = ctypes.c_int, _PLAIN_ARGTYPES
+    # No argtypes here either: PreparedLaunch passes ctypes objects made once (handle, grid,
+    # block and shared bytes, a stream object it updates, the parameter array, None).
+    plain.restype = ctypes.c_int
     extended = set_attribute = None
     if not is_hip:
-        extended = getattr(library, "cuLaunchKernelEx", None)
+        extended = None if form == "plain" else getattr(library, "cuLaunchKernelEx", None)
         if extended is not None:
             # No argtypes: PreparedLaunch passes (config by reference, handle as c_void_p, the
             # parameter array, None), all ctypes already, so a call converts nothing.
@@ -136,8 +138,9 @@ class PreparedLaunch:
         self._scalar_values = scalars
         self._driver = driver(is_hip)
         if form != "plain" and (self._driver is None or self._driver.extended is None):
-            raise RuntimeError(f"{form} launch: the CUDA driver has no cuLaunchKernelEx (driver "
-                               f">= 12.0 needed); set CUPA_MERGE=reduce, CUPA_CHAINED_REDUCE=0 and "
+            raise RuntimeError(f"{form} launch: no cuLaunchKernelEx (a CUDA driver >= 12.0 is "
+                               f"needed, and CUPA_LAUNCH=plain leaves it out); set "
+                               f"CUPA_MERGE=reduce, CUPA_CHAINED_REDUCE=0 and "
                                f"CUPA_CHAINED_PHASE1=0")
         self.pointers = (ctypes.c_uint64 * pointers)()
         self._scalars = [_scalar(v) for v in scalars]
@@ -165,6 +168,11 @@ class PreparedLaunch:
                                          shared_bytes=self.shared_bytes, stream=None,
                                          attributes=self._attributes, count=len(attributes))
             self._config_ref = ctypes.byref(self._config)
+        else:  # HIP's launch, or CUDA's before 12.0: cuLaunchKernel's argument list
+            self._plain_head = (self._handle_arg,
+                                *(ctypes.c_uint(d) for d in self.grid + self.block),
+                                ctypes.c_uint(self.shared_bytes))
+            self._stream_arg = ctypes.c_void_p()
 
     def _opt_in_cluster(self, cluster):
         if cluster[0] * cluster[1] * cluster[2] > PORTABLE_CLUSTER:
@@ -182,10 +190,8 @@ class PreparedLaunch:
             self._config.stream = stream_ptr
             status = self._driver.extended(self._config_ref, self._handle_arg, self._params, None)
         else:
-            grid, block = self.grid, self.block
-            status = self._driver.plain(self._handle, grid[0], grid[1], grid[2], block[0],
-                                        block[1], block[2], self.shared_bytes, stream_ptr,
-                                        self._params, None)
+            self._stream_arg.value = stream_ptr
+            status = self._driver.plain(*self._plain_head, self._stream_arg, self._params, None)
         if status != 0:
             raise RuntimeError(f"kernel launch failed (driver status {status}) for "
                                f"{self.kernel.name}, grid {self.grid}, block {self.block}, "

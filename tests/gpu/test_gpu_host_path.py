@@ -108,6 +108,58 @@ def test_small_launches_are_one_cluster_launch(rng, switch, seq_len, head_size):
     cupa.clear_plan_cache()
 
 
+@pytest.fixture
+def plain_launches(switch):
+    """Every launch through the driver's plain entry point (CUPA_LAUNCH=plain: cuLaunchKernel on
+    CUDA, the call and argument list HIP's launches use), with the reduce merging partitions
+    (the plain call carries no cluster attribute); the usual launches again afterwards."""
+    from cupa.gpu import driver
+    switch("CUPA_LAUNCH", "plain")
+    switch("CUPA_MERGE", "reduce")
+    driver.driver.cache_clear()
+    cupa.clear_plan_cache()
+    yield
+    switch("CUPA_LAUNCH", None)
+    switch("CUPA_MERGE", None)
+    driver.driver.cache_clear()
+    cupa.clear_plan_cache()
+
+
+@pytest.mark.parametrize("seq_lens, head_size", [((3000, 1, 700), 128), ((4000,), 64),
+                                                 ((600, 90), 256)])
+def test_plain_driver_launches_decode_and_write_correctly(rng, plain_launches, seq_lens,
+                                                          head_size):
+    """HIP's launch code (prebuilt ctypes arguments, no argtypes) run on this device: phase 1,
+    the reduce and the cache write, each against its oracle on NaN-poisoned outputs."""
+    import cupy
+
+    from cupa.gpu import driver
+    from cupa.gpu.device import device_info
+    loaded = driver.driver(device_info().hip_runtime)
+    if loaded is None:
+        pytest.fail("no driver library loaded: the launches would be cupy's, not the plain call")
+    assert loaded.extended is None
+    case, args, ref, ref_lse = device_case(rng, dtype="float16", head_size=head_size, group=8,
+                                           seq_lens=seq_lens)
+    plan = cupa.plan_decode(*args, return_lse=True, partition_size=256)
+    assert plan.merge == "reduce"
+    for _ in range(2):  # the second run: the same prepared launches with new pointers
+        out = cupy.full(args[0].shape, np.nan, dtype=args[0].dtype)
+        _, lse = plan.run(*args, out=out)
+        assert rel_error(cupy.asnumpy(out), ref) <= REL_BOUND["float16"]
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
+    cache = cupa.PagedKVCache(1, 8, 16, 2, head_size, "float16", backend="gpu")
+    slots = cache.extend([0], 20)
+    rows = rng.standard_normal((2, 20, 2, head_size)).astype(np.float16)
+    cache.key_cache(0).fill(np.nan)
+    cache.value_cache(0).fill(np.nan)
+    cache.write(0, slots, cupy.asarray(rows[0]), cupy.asarray(rows[1]))
+    table = cupy.asarray(cache.block_table(0))
+    for storage, want in ((cache.key_cache(0), rows[0]), (cache.value_cache(0), rows[1])):
+        written = cupy.asnumpy(storage[table]).transpose(0, 2, 1, 3).reshape(-1, 2, head_size)
+        np.testing.assert_array_equal(written[:20], want)
+
+
 def test_an_out_of_the_wrong_layout_is_refused(rng):
     import cupy
     _, args, _, _ = device_case(rng, dtype="float16", head_size=128, group=8, seq_lens=(100,))

@@ -523,7 +523,8 @@ def test_prepared_launch_packs_pointers_then_scalars(monkeypatch, entry):
     """The argument block a PreparedLaunch hands the driver: one slot per pointer, then the
     scalars, each slot pointing at its value; a call rewrites only the pointer slots. CUDA
     launches go through cuLaunchKernelEx (its config carrying grid, block, shared memory and
-    stream); a driver without it (before 12.0) gets cuLaunchKernel with the same block."""
+    stream); a driver without it (before 12.0, or CUPA_LAUNCH=plain) gets cuLaunchKernel with
+    the same block, the argument list HIP's hipModuleLaunchKernel takes."""
     import ctypes
 
     import numpy as np
@@ -541,7 +542,13 @@ def test_prepared_launch_packs_pointers_then_scalars(monkeypatch, entry):
         return 0
 
     def fake_plain(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        return record(handle, (gx, gy, gz), (bx, by, bz), shared, stream, params)
+        # ctypes objects too (the entry point has no argtypes): handle and stream as pointers,
+        # the six dimensions and the shared bytes as unsigned ints
+        assert isinstance(handle, ctypes.c_void_p) and isinstance(stream, ctypes.c_void_p)
+        dims = (gx, gy, gz, bx, by, bz, shared)
+        assert all(type(d) is ctypes.c_uint for d in dims) and extra is None
+        gx, gy, gz, bx, by, bz, shared = (d.value for d in dims)
+        return record(handle.value, (gx, gy, gz), (bx, by, bz), shared, stream.value, params)
 
     def fake_extended(config_ref, handle, params, extra):
         # ctypes objects, as the real entry point (no argtypes) receives them
@@ -568,6 +575,38 @@ def test_prepared_launch_packs_pointers_then_scalars(monkeypatch, entry):
     launch((0x2000, 0x3000), 78)
     assert seen == [(0xABC, (3, 2, 1), (128, 1, 1), 64, 77, [0x1000, 0], 5, 0.25),
                     (0xABC, (3, 2, 1), (128, 1, 1), 64, 78, [0x2000, 0x3000], 5, 0.25)]
+
+
+@pytest.mark.parametrize("form, has_extended", [("driver", True), ("plain", False)])
+def test_launch_switch_picks_the_driver_entry_points(monkeypatch, form, has_extended):
+    """CUPA_LAUNCH=driver takes cuLaunchKernelEx where libcuda has it; plain leaves it out, so
+    CUDA launches take cuLaunchKernel as HIP's take hipModuleLaunchKernel. Neither entry point
+    gets argtypes (PreparedLaunch passes ctypes objects); an unknown form is refused."""
+    import ctypes
+    import types
+
+    from cupa.gpu import driver
+
+    class Library:
+        def __init__(self, name):
+            self.cuLaunchKernel, self.cuLaunchKernelEx = types.SimpleNamespace(), \
+                types.SimpleNamespace()
+            self.cuFuncSetAttribute = types.SimpleNamespace()
+
+    monkeypatch.setattr(ctypes, "CDLL", Library)
+    monkeypatch.setenv("CUPA_LAUNCH", form)
+    driver.driver.cache_clear()
+    try:
+        loaded = driver.driver(False)
+        assert (loaded.extended is not None) is has_extended
+        assert not hasattr(loaded.plain, "argtypes") and loaded.plain.restype is ctypes.c_int
+        monkeypatch.setenv("CUPA_LAUNCH", "fast")
+        driver.driver.cache_clear()
+        with pytest.raises(ValueError, match="CUPA_LAUNCH"):
+            driver.driver(False)
+    finally:
+        monkeypatch.undo()
+        driver.driver.cache_clear()
 
 
 def test_launches_with_attributes_without_the_driver_call_say_what_to_do(monkeypatch):

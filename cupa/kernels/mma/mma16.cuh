@@ -29,7 +29,14 @@ CUPA_FN void decode_partition_mma16(
     if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, TILE_ROWS>()) __trap();
 
     PartitionWork w;
-    if (!claim_partition<T, C, ROWS, D>(w, CUPA_PARTITION_ARGS)) return;
+    KvStream<C, D> kv;  // its first ids perhaps requested early: see early_ids
+    unsigned char* const ring = reinterpret_cast<unsigned char*>(dynamic_shared);
+    const bool ids_started = early_ids(kv, ring, block_tables, max_blocks_per_seq, block_size,
+                                       partition_size, sliding_window, cluster_merge);
+    if (!claim_partition<T, C, ROWS, D>(w, CUPA_PARTITION_ARGS)) {
+        finish_early_ids(ids_started);
+        return;
+    }
     CUPA_PHASE_STAMP(PHASE_CLAIMED);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
@@ -54,9 +61,8 @@ CUPA_FN void decode_partition_mma16(
     RowMask mask_lo, mask_hi;
     mask_lo.init(w, r_lo, alibi_slopes, sliding_window);
     mask_hi.init(w, r_hi, alibi_slopes, sliding_window);
-    KvStream<C, D> kv;  // started after the query loads: see claim_partition
-    start_stream(kv, reinterpret_cast<unsigned char*>(dynamic_shared), w, key_cache, value_cache,
-                 block_tables, max_blocks_per_seq, num_kv_heads, block_size, num_blocks);
+    start_stream(kv, ring, w, key_cache, value_cache, block_tables, max_blocks_per_seq,
+                 num_kv_heads, block_size, num_blocks, ids_started);
     CUPA_PHASE_STAMP(PHASE_STREAM_STARTED);
 
     float acc[NT][4];

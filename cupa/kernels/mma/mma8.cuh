@@ -38,7 +38,14 @@ CUPA_FN void decode_partition_mma8(
     if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, HT, DENSE_STAGES>()) __trap();
 
     PartitionWork w;
-    if (!claim_partition<T, C, HT, D>(w, CUPA_PARTITION_ARGS)) return;
+    KvStream<C, D, DENSE_STAGES> kv;  // its first ids perhaps requested early: see early_ids
+    unsigned char* const ring = reinterpret_cast<unsigned char*>(dynamic_shared);
+    const bool ids_started = early_ids(kv, ring, block_tables, max_blocks_per_seq, block_size,
+                                       partition_size, sliding_window, cluster_merge);
+    if (!claim_partition<T, C, HT, D>(w, CUPA_PARTITION_ARGS)) {
+        finish_early_ids(ids_started);
+        return;
+    }
     CUPA_PHASE_STAMP(PHASE_CLAIMED);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
@@ -56,9 +63,8 @@ CUPA_FN void decode_partition_mma8(
     RowMask mask_e, mask_o;  // rows 2c and 2c + 1, this lane's columns
     mask_e.init(w, 2 * c, alibi_slopes, sliding_window);
     mask_o.init(w, 2 * c + 1, alibi_slopes, sliding_window);
-    KvStream<C, D, DENSE_STAGES> kv;  // started after the query loads: see claim_partition
-    start_stream(kv, reinterpret_cast<unsigned char*>(dynamic_shared), w, key_cache, value_cache,
-                 block_tables, max_blocks_per_seq, num_kv_heads, block_size, num_blocks);
+    start_stream(kv, ring, w, key_cache, value_cache, block_tables, max_blocks_per_seq,
+                 num_kv_heads, block_size, num_blocks, ids_started);
     CUPA_PHASE_STAMP(PHASE_STREAM_STARTED);
 
     float acc[MT][4];  // O^T: rows dims F::dim(2i, g) / F::dim(2i + 1, g), columns rows 2c, 2c+1

@@ -150,11 +150,27 @@ struct KvStream {
         }
     }
 
-    // Fetches the block ids of the first 2 STAGES - 2 chunks of tokens [start_, rows.end) (one
-    // round trip), then starts the K/V copies of the first STAGES - 1 chunks.
-    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows,
-                       int start_) {
+    // Starts copying the block ids of the first 2 STAGES - 2 chunks of tokens [start_, end_)
+    // (early_ids: end_ is the partition's nominal end, before the length is known).
+    CUPA_FN void begin_ids(unsigned char* ring_, const i32* table_, int start_, int end_,
+                           int shift_) {
         ring = ring_;
+        table = table_;
+        start = start_;
+        end = end_;
+        shift = shift_;
+        chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
+#pragma unroll
+        for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
+        commit_copies();
+    }
+
+    // Fetches the block ids of the first 2 STAGES - 2 chunks of tokens [start_, rows.end) (one
+    // round trip) unless begin_ids has (ids_started), then starts the K/V copies of the first
+    // STAGES - 1 chunks.
+    CUPA_FN void begin(unsigned char* ring_, const C* k, const C* v, const PagedRows& rows,
+                       int start_, bool ids_started) {
+        if (!ids_started) begin_ids(ring_, rows.table, start_, rows.end, rows.shift);
         const int u = threadIdx.x % R::UNITS;
         const int r0 = threadIdx.x / R::UNITS;
         // Chunks start multiples of 32 tokens apart, so phase f's rows all sit at row
@@ -166,17 +182,11 @@ struct KvStream {
             k_src[f] = pinned(reinterpret_cast<const unsigned char*>(k) + unit);
             v_src[f] = pinned(reinterpret_cast<const unsigned char*>(v) + unit);
         }
-        table = rows.table;
         block_bytes = (u32)(rows.block_stride * (i64)sizeof(C));
-        shift = rows.shift;
-        end = rows.end;
+        end = rows.end;  // the real end: the early ids past it are never used
         num_blocks = rows.num_blocks;
         dst = pinned(r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0)));
-        start = start_;
         chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
-#pragma unroll
-        for (int k = 0; k < 2 * R::STAGES - 2; ++k) copy_ids(k);
-        commit_copies();
         wait_copies<0>();
         __syncthreads();
 #pragma unroll
@@ -210,9 +220,36 @@ struct KvStream {
 // claim_partition says which work this workgroup owns (false: none), start_stream fetches the
 // block ids of its first chunks (one round trip) and starts its K/V copies. Query fragments
 // loaded between the two are in flight during the ids' round trip instead of after it
-// (docs/perf-log.md v24 step 2). (Requesting the first block ids before the sequence's length was
-// tried: level where every workgroup works, and workgroups with no work, such as those before a
-// sliding window, then had to wait for ids they never used; docs/perf-log.md v13.)
+// (docs/perf-log.md v24 step 2).
+//
+// early_ids, before both where it returns true: without a sliding window a partition's tokens
+// are fixed by the grid (from part * partition_size, up to the table's capacity), so its first
+// block ids are requested before claim_partition reads the sequence's length and the two round
+// trips overlap; start_stream then only sets the real end. A workgroup that finds no work
+// must wait for its early copies before it exits (finish_early_ids), so in a grid of several
+// waves only a sequence's first partition, the one that has work whenever the sequence has
+// tokens, asks early: with every partition asking, the empty partitions past the short
+// sequences of a ragged batch held their slots longer (longtail64 +1.3%). Launches merging in
+// clusters are small launches (one wave: a slot held longer delays nobody) or pairs (at most
+// one empty workgroup a sequence), and there every partition asks (with the first only, 1 x
+// 4096 was 0.15 us slower; docs/perf-log.md v28). With a window the start moves with the
+// length, and the ids follow it.
+template <typename C, int D, int DENSE_STAGES>
+CUPA_FN bool early_ids(KvStream<C, D, DENSE_STAGES>& kv, unsigned char* ring,
+                       const i32* block_tables, int max_blocks_per_seq, int block_size,
+                       int partition_size, int sliding_window, int cluster_merge) {
+    if (sliding_window > 0 || (blockIdx.y != 0 && !cluster_merge)) return false;
+    const int start = (int)blockIdx.y * partition_size;  // begin_partition's w.start
+    kv.begin_ids(ring, block_tables + (i64)blockIdx.z * max_blocks_per_seq, start,
+                 cmin(start + partition_size, max_blocks_per_seq * block_size),
+                 __ffs(block_size) - 1);
+    return true;
+}
+
+// A workgroup leaving without work: its early id copies land in its shared memory first.
+CUPA_FN void finish_early_ids(bool started) {
+    if (started) wait_copies<0>();
+}
 template <typename T, typename C, int ROWS, int D>
 CUPA_FN bool claim_partition(PartitionWork& w, CUPA_PARTITION_PARAMS(T, C)) {
     return begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
@@ -225,11 +262,11 @@ template <typename C, int D, int DENSE_STAGES>
 CUPA_FN void start_stream(KvStream<C, D, DENSE_STAGES>& kv, unsigned char* ring,
                           const PartitionWork& w, const C* key_cache, const C* value_cache,
                           const i32* block_tables, int max_blocks_per_seq, int num_kv_heads,
-                          int block_size, int num_blocks) {
+                          int block_size, int num_blocks, bool ids_started) {
     kv.begin(ring, key_cache, value_cache,
              paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads, block_size,
                         num_blocks, D),
-             w.start);
+             w.start, ids_started);
 }
 
 }  // namespace cupa
