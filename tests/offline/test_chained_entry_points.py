@@ -3,6 +3,10 @@ it touches global memory, and allows its dependents only after that wait (start_
 decode_common.cuh; docs/perf-log.md v25 step 5, v26 step 5). Checked in the PTX NVRTC makes for
 sm_90, the order in which the kernels' source issues them, since a phase 1 that read a previous
 call's output before its wait, or let the next call in before its own, would race.
+
+The same PTX shows the tensor-core kernels' early block ids (early_ids in mma/ring.cuh,
+docs/perf-log.md v28 step 6): their first copies from the block table are issued before the
+sequence's length is loaded, so that the two round trips overlap.
 """
 
 import re
@@ -44,17 +48,17 @@ def bodies():
     return found
 
 
-def accesses_through(lines: list[str], params: set[str]) -> list[str]:
+def accesses_through(lines: list[str], params: set[str]) -> list[tuple[int, str]]:
     """The global accesses among PTX `lines` whose address derives from the kernel parameters
-    `params` (a forward taint over registers, from their ld.param)."""
+    `params` (a forward taint over registers, from their ld.param), with their line indices."""
     tainted, found = set(), []
-    for line in lines:
+    for i, line in enumerate(lines):
         fields = re.findall(r"%\w+|\[\w+\]", line)
         if line.startswith("ld.param") and any(f"[{p}]" in fields for p in params):
             tainted.add(fields[0])
         elif fields and any(f.strip("[]") in tainted for f in fields[1:]):
             if GLOBAL_ACCESS.match(line):
-                found.append(line)
+                found.append((i, line))
             tainted.add(fields[0])
     return found
 
@@ -88,3 +92,21 @@ def test_sm80_has_no_griddepcontrol():
     options.remove("--gpu-architecture=sm_80")
     ptx = nvrtc_compile(catalogue.module_source(VARIANTS[1]), options, arch="sm_80")
     assert "griddepcontrol" not in ptx
+
+
+# Kernel parameters (CUPA_PARTITION_PARAMS): block_tables is the 10th, seq_lens the 11th.
+BLOCK_TABLES, SEQ_LENS = 9, 10
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS
+                                     if isinstance(v, catalogue.DecodeMmaVariant)],
+                         ids=lambda v: v.partition_name)
+def test_tensor_core_kernels_request_block_ids_before_the_length(bodies, variant):
+    name = variant.partition_name
+    lines = [line.strip() for line in bodies[name].splitlines()]
+    ids = [i for i, line in accesses_through(lines, {f"{name}_param_{BLOCK_TABLES}"})
+           if line.startswith("cp.async.ca.shared.global") and ", 4," in line]
+    lengths = [i for i, line in accesses_through(lines, {f"{name}_param_{SEQ_LENS}"})
+               if line.startswith("ld.global")]
+    assert ids and lengths, f"{name}: no id copy or no length load found"
+    assert ids[0] < lengths[0], f"{name}: the first block ids are requested after the length"
