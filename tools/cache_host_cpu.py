@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 import cupa  # noqa: E402
 from cupa import arrays  # noqa: E402
 from cupa.bench.host import EXTEND_SEQS  # noqa: E402
+from cupa.cache.paged import _TableBuffers  # noqa: E402
 from cupa.gpu import driver, launch  # noqa: E402
 from fake_device import FakeDeviceArray, fake_cupy  # noqa: E402
 
@@ -89,23 +90,28 @@ def tables_device_calls() -> Counter:
     counts them)."""
     calls = Counter()
     cache, ids = decode_cache()
-    buffers = cache._table_buffers
-    cache.extend(ids, 1)  # 33 blocks each: the width of the steps below
-    cache.tables(ids)  # the host buffer at that size
-    buffers.on_gpu = True
-    device = FakeDeviceArray(np.empty(len(buffers.host), np.int32))
-    device.data.copy_from_host_async = lambda *args: calls.update(["copy_from_host_async"])
-    buffers.device = device
-    buffers.upload_done = types.SimpleNamespace(
-        synchronize=lambda: calls.update(["event.synchronize"]),
-        record=lambda stream: calls.update(["event.record"]))
+
+    def device_array(n, dtype):
+        array = FakeDeviceArray(np.empty(n, dtype))
+        array.data.copy_from_host_async = lambda *args: calls.update(["copy_from_host_async"])
+        return array
+
+    class Event:
+        def __init__(self, **_):
+            pass
+
+        synchronize = staticmethod(lambda: calls.update(["event.synchronize"]))
+        record = staticmethod(lambda stream: calls.update(["event.record"]))
+
     stream = types.SimpleNamespace(ptr=0)
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        get_current_stream=lambda: calls.update(["get_current_stream"]) or stream))
+    fake = types.SimpleNamespace(empty=device_array, cuda=types.SimpleNamespace(
+        Event=Event, get_current_stream=lambda: calls.update(["get_current_stream"]) or stream))
     real, arrays.cupy_module = arrays.cupy_module, lambda: fake
     try:
-        cache.extend(ids, 1)
-        cache.tables(ids)  # views made once per (rows, width)
+        cache._table_buffers = _TableBuffers(on_gpu=True)  # the GPU backend's two host buffers
+        for _ in range(3):  # both host buffers at the steps' size, views made once
+            cache.extend(ids, 1)  # 33 blocks each: the width of the steps below
+            cache.tables(ids)
         calls.clear()
         cache.extend(ids, 1)
         cache.tables(ids)

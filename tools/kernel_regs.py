@@ -1,4 +1,7 @@
-"""Print registers and local memory (spills) of the tensor-core decode kernels on this GPU."""
+"""Print registers and local memory (spills) of the tensor-core decode kernels on this GPU, as the
+device's own NVRTC builds them (another NVRTC may allocate differently: docs/perf-log.md v29
+step 2). Run it before and after a change to the kernels' prologue: the dense forms sit at
+their 128-register cap, and a few registers more spill them."""
 import sys
 from pathlib import Path
 
@@ -10,7 +13,7 @@ from cupa.gpu.device import device_info  # noqa: E402
 
 info = device_info()
 for v in catalogue.all_mma_variants():
-    if v.head_size != 128:
+    if v.head_size not in (64, 128):
         continue
     fn = kernels(v, info.index)[v.partition_name]
     a = fn.attributes

@@ -47,32 +47,46 @@ class _TableBuffers:
 
     Reused across calls and grown only when too small, so a steady decode loop allocates
     nothing. The host side is pinned when cupy allows it, making the one upload per call
-    asynchronous; an event guards the host buffer against being refilled before the previous
-    upload has read it. What a call costs on the host is one upload and one event record: the
-    event, the buffers' addresses and the views handed out for a (rows, width) are kept.
+    asynchronous. Two host buffers take turns, each guarded by an event against being refilled
+    before its upload has read it: a call waits for the upload of the call before last, not for
+    the last one, which a host running ahead of the GPU would wait for on every call. What a
+    call costs on the host is one upload and one event record: the events, the buffers'
+    addresses and the views handed out for a (rows, width) are kept. The numpy backend's
+    tables are views of its one host buffer.
     """
+
+    GPU_HOST_BUFFERS = 2
 
     def __init__(self, on_gpu: bool):
         self.on_gpu = on_gpu
-        self.host = np.empty(0, dtype=np.int32)
         self.device = None
-        self.upload_done = None
-        self._host_ptr = 0
+        count = self.GPU_HOST_BUFFERS if on_gpu else 1
+        self._hosts = [np.empty(0, dtype=np.int32) for _ in range(count)]
+        self._host_ptrs = [0] * count
+        self._uploads_done = [None] * count  # an event per host buffer, once it has uploaded
+        self._turn = 0  # the host buffer of the latest host_buffer()
         self._views: dict = {}  # (rows, width) -> (tables, lens) views of `device`
 
+    @property
+    def host(self) -> np.ndarray:
+        """The host buffer of the latest host_buffer() call."""
+        return self._hosts[self._turn]
+
     def host_buffer(self, size: int) -> np.ndarray:
-        if self.upload_done is not None:
-            self.upload_done.synchronize()
-        if size > len(self.host):
-            capacity = max(size, 2 * len(self.host), 256)
-            self.host = self._new_host(capacity)
-            self._host_ptr = self.host.ctypes.data
+        """The next host buffer, at least `size` entries, once its previous upload has read it."""
+        turn = self._turn = (self._turn + 1) % len(self._hosts)
+        if self._uploads_done[turn] is not None:
+            self._uploads_done[turn].synchronize()
+        if size > len(self._hosts[turn]):
+            capacity = max(size, 2 * len(self._hosts[turn]), 256)
+            self._hosts[turn] = self._new_host(capacity)
+            self._host_ptrs[turn] = self._hosts[turn].ctypes.data
+        held = 0 if self.device is None else len(self.device)
+        if self.on_gpu and size > held:
+            capacity = max(size, 2 * held, 256)
+            self.device = arrays.cupy_module().empty(capacity, dtype=np.int32)
             self._views.clear()
-            if self.on_gpu:
-                cupy = arrays.cupy_module()
-                self.device = cupy.empty(capacity, dtype=np.int32)
-                self.upload_done = cupy.cuda.Event(block=False, disable_timing=True)
-        return self.host
+        return self._hosts[turn]
 
     def _new_host(self, capacity: int) -> np.ndarray:
         if self.on_gpu:
@@ -84,14 +98,20 @@ class _TableBuffers:
         return np.empty(capacity, dtype=np.int32)
 
     def publish(self, rows: int, width: int):
-        """(tables [rows, width], lens [rows]) of the buffer's first entries, [lens | tables]
-        (uploaded on the GPU)."""
+        """(tables [rows, width], lens [rows]) of the latest host buffer's first entries, [lens |
+        tables] (uploaded on the GPU)."""
         size = rows + rows * width
+        turn = self._turn
         if not self.on_gpu:
-            return self.host[rows:size].reshape(rows, width), self.host[:rows]
-        stream = arrays.cupy_module().cuda.get_current_stream()
-        self.device.data.copy_from_host_async(self._host_ptr, size * 4, stream)
-        self.upload_done.record(stream)
+            host = self._hosts[turn]
+            return host[rows:size].reshape(rows, width), host[:rows]
+        cupy = arrays.cupy_module()
+        stream = cupy.cuda.get_current_stream()
+        self.device.data.copy_from_host_async(self._host_ptrs[turn], size * 4, stream)
+        done = self._uploads_done[turn]
+        if done is None:
+            done = self._uploads_done[turn] = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
         views = self._views.get((rows, width))
         if views is None:
             views = self._views[(rows, width)] = (

@@ -81,6 +81,10 @@ class LaunchPlan:
     # The partitions of each (sequence, KV head, row chunk) run as one thread-block cluster and
     # merge on chip, with no reduce launch (dispatch.merges_in_cluster).
     cluster_merge: bool = False
+    # Every partition, not only a sequence's first, asks for its first block ids before it reads
+    # the length (early_ids in kernels/mma/ring.cuh): where the grid is one wave
+    # (one_wave) or merges in clusters, an empty workgroup that waits for them delays nobody.
+    all_ids_early: bool = False
 
     @property
     def single_partition(self) -> bool:
@@ -155,13 +159,22 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         partition_size = capacity
     if shape.num_seqs > MAX_GRID_YZ:
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
-    small = _small_launch(shape, variant, partition_size, shape.num_seqs * per_seq * max_partitions,
-                          multiprocessors, fill)
+    workgroups = shape.num_seqs * per_seq * max_partitions
+    small = _small_launch(shape, variant, partition_size, workgroups, multiprocessors, fill)
     cluster = dispatch.merges_in_cluster(variant, arch, max_partitions, head_chunks,
                                          planned=MAX_CLUSTER if small else dispatch.PLANNED_CLUSTER)
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
-                      cluster_merge=cluster)
+                      cluster_merge=cluster,
+                      all_ids_early=cluster or one_wave(variant, workgroups, multiprocessors,
+                                                        residency))
+
+
+def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
+    """Whether a grid of `workgroups` runs as one wave: all resident at once (False where the
+    residency is unknown)."""
+    per_sm = residency(variant) if residency is not None else 0
+    return 0 < workgroups <= (per_sm or 0) * multiprocessors
 
 
 def _small_launch(shape: DecodeShape, variant, partition_size: int, workgroups: int,

@@ -24,12 +24,12 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
         const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, float scale,    \
         float soft_cap, i32 sliding_window, i32 num_tokens, i32 num_heads, i32 num_kv_heads,     \
         i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
-        i32 max_partitions, i32 head_chunks, i32 cluster_merge
+        i32 max_partitions, i32 head_chunks, i32 cluster_merge, i32 all_ids_early
 #define CUPA_PARTITION_ARGS                                                                      \
     out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, kv_scales,            \
         block_tables, seq_lens, query_start_loc, alibi_slopes, sinks, scale, soft_cap,           \
         sliding_window, num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq,     \
-        num_blocks, partition_size, max_partitions, head_chunks, cluster_merge
+        num_blocks, partition_size, max_partitions, head_chunks, cluster_merge, all_ids_early
 
 // Most new tokens per sequence in one call (multi-token decode for speculative decoding).
 constexpr int MAX_QUERY_LEN = 16;

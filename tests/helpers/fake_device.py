@@ -24,6 +24,9 @@ class FakeDeviceArray:
     ndim = property(lambda self: self.host.ndim)
     flags = property(lambda self: self.host.flags)
 
+    def __len__(self):
+        return len(self.host)
+
     def __getitem__(self, index):
         return FakeDeviceArray(self.host[index])
 

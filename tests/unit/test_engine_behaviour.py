@@ -283,9 +283,14 @@ def test_graph_forward_matches_the_eager_step_on_numpy(tiny):
     logits, argmax = runner._forward(inputs, NumpyPlan())
     np.testing.assert_allclose(logits[:3], logged[0], rtol=1e-5, atol=1e-5)
     assert argmax[:3].tolist() == [s.output_ids[-1] for s in eager.running]
+    # The rows come from GEMMs of 4 rows (the bucket) against the eager step's 3, which BLAS may
+    # sum in another order (numpy 2.4: 2% of the elements differ in the last bits): equal to
+    # float32 rounding, while a padding row's write or a wrong slot would differ by O(1).
     for layer in range(cache.num_layers):
-        np.testing.assert_array_equal(cache.key_cache(layer), eager.cache.key_cache(layer))
-        np.testing.assert_array_equal(cache.value_cache(layer), eager.cache.value_cache(layer))
+        np.testing.assert_allclose(cache.key_cache(layer), eager.cache.key_cache(layer),
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cache.value_cache(layer), eager.cache.value_cache(layer),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # --- goal: graphs on ROCm (bookkeeping; the capture itself needs a GPU) ------------------------

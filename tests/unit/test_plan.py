@@ -713,3 +713,32 @@ def test_an_untrusted_matrix_variant_gives_way_to_the_portable_kernel():
     assert isinstance(asked[0], catalogue.DecodeMatrixVariant)
     assert plan.variant == catalogue.DecodeVariant("float16", 128, 8)
     assert make_plan(shape(), 304, arch="gfx942", trusted=lambda v: True).variant == asked[0]
+
+
+def nominal_residency(variant):
+    return variant.workgroups_per_sm
+
+
+@pytest.mark.parametrize("problem, lengths, early", [
+    (dict(batch=1, seq_len=4096, kv_heads=4), None, True),   # group 16: 128 row-chunk workgroups
+    (dict(batch=1, seq_len=32768), None, True),               # 128 workgroups and the reduce
+    (dict(batch=16, seq_len=16384), None, True),              # 256 on 264 slots (pairs)
+    (dict(batch=1, seq_len=4096), None, True),                # one cluster
+    (dict(batch=128, seq_len=1024), None, False),             # 1024 workgroups: four waves
+    (dict(batch=64, seq_len=32768), 64 * 1024, False),        # ragged, many waves
+])
+def test_every_partition_asks_for_block_ids_early_only_where_no_slot_waits(
+        switch, problem, lengths, early):
+    """Every partition requests its first block ids before the length (LaunchPlan.all_ids_early)
+    where the grid is one wave or merges in clusters; in a grid of several waves only a
+    sequence's first partition does, as an empty workgroup's wait would hold its slot."""
+    switch("CUPA_MERGE", None)
+    L = problem["seq_len"]
+    plan = make_plan(shape(**problem), H200_SMS, arch="sm_90", max_seq_len=L,
+                     total_seq_len=lengths, residency=nominal_residency)
+    workgroups = problem["batch"] * plan.max_partitions * shape(**problem).num_kv_heads \
+        * plan.head_chunks
+    assert plan.all_ids_early is early, (plan, workgroups)
+    unknown = make_plan(shape(**problem), H200_SMS, arch="sm_90", max_seq_len=L,
+                        total_seq_len=lengths)  # residency unknown: only where clusters merge
+    assert unknown.all_ids_early is unknown.cluster_merge

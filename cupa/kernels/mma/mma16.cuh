@@ -32,7 +32,7 @@ CUPA_FN void decode_partition_mma16(
     KvStream<C, D> kv;  // its first ids perhaps requested early: see early_ids
     unsigned char* const ring = reinterpret_cast<unsigned char*>(dynamic_shared);
     const bool ids_started = early_ids(kv, ring, block_tables, max_blocks_per_seq, block_size,
-                                       partition_size, sliding_window, cluster_merge);
+                                       partition_size, sliding_window, all_ids_early);
     if (!claim_partition<T, C, ROWS, D>(w, CUPA_PARTITION_ARGS)) {
         finish_early_ids(ids_started);
         return;

@@ -229,16 +229,17 @@ struct KvStream {
 // must wait for its early copies before it exits (finish_early_ids), so in a grid of several
 // waves only a sequence's first partition, the one that has work whenever the sequence has
 // tokens, asks early: with every partition asking, the empty partitions past the short
-// sequences of a ragged batch held their slots longer (longtail64 +1.3%). Launches merging in
-// clusters are small launches (one wave: a slot held longer delays nobody) or pairs (at most
-// one empty workgroup a sequence), and there every partition asks (with the first only, 1 x
-// 4096 was 0.15 us slower; docs/perf-log.md v28). With a window the start moves with the
-// length, and the ids follow it.
+// sequences of a ragged batch held their slots longer (longtail64 +1.3%). Where the planner
+// finds that a slot held longer delays nobody (all_ids_early: a grid of one wave, or one
+// merging in clusters), every partition asks (group 16's 1 x 4096, one wave merged by the
+// reduce: 14.9 -> 14.7 us; docs/perf-log.md v28 step 6, v29). With a window the start moves
+// with the length, and the ids follow it. (Folded into claim_partition, the same code took
+// NVRTC 13.0 to 221 registers from 208 and spilled the dense forms: v29.)
 template <typename C, int D, int DENSE_STAGES>
 CUPA_FN bool early_ids(KvStream<C, D, DENSE_STAGES>& kv, unsigned char* ring,
                        const i32* block_tables, int max_blocks_per_seq, int block_size,
-                       int partition_size, int sliding_window, int cluster_merge) {
-    if (sliding_window > 0 || (blockIdx.y != 0 && !cluster_merge)) return false;
+                       int partition_size, int sliding_window, int all_ids_early) {
+    if (sliding_window > 0 || (blockIdx.y != 0 && !all_ids_early)) return false;
     const int start = (int)blockIdx.y * partition_size;  // begin_partition's w.start
     kv.begin_ids(ring, block_tables + (i64)blockIdx.z * max_blocks_per_seq, start,
                  cmin(start + partition_size, max_blocks_per_seq * block_size),
