@@ -67,11 +67,6 @@ class _TableBuffers:
         self._turn = 0  # the host buffer of the latest host_buffer()
         self._views: dict = {}  # (rows, width) -> (tables, lens) views of `device`
 
-    @property
-    def host(self) -> np.ndarray:
-        """The host buffer of the latest host_buffer() call."""
-        return self._hosts[self._turn]
-
     def host_buffer(self, size: int) -> np.ndarray:
         """The next host buffer, at least `size` entries, once its previous upload has read it."""
         turn = self._turn = (self._turn + 1) % len(self._hosts)
