@@ -1,0 +1,41 @@
+"""tools/ab_switch.py's parts that need no GPU: reading a side's switch assignments, setting
+them where cupa's dispatch reads them, and the alternating order of the timed rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tool_module import tool_module
+
+
+def ab_switch():
+    return tool_module("ab_switch")
+
+
+def test_a_side_is_a_list_of_switch_assignments():
+    parse = ab_switch().parse_side
+    assert parse("CUPA_DENSE=never") == {"CUPA_DENSE": "never"}
+    assert parse("CUPA_MERGE=cluster,CUPA_DENSE=") == {"CUPA_MERGE": "cluster", "CUPA_DENSE": None}
+    for bad in ("CUPA_DENSE", "DENSE=never", "CUPA_DENSE=never,", ""):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            parse(bad)
+
+
+def test_applying_a_side_changes_what_dispatch_reads(monkeypatch):
+    from cupa.gpu import dispatch
+    tool = ab_switch()
+    monkeypatch.setenv("CUPA_MERGE", "reduce")
+    monkeypatch.delenv("CUPA_DENSE", raising=False)
+    try:
+        tool.apply_side({"CUPA_DENSE": "never", "CUPA_MERGE": None})
+        assert dispatch.switches().dense == "never" and dispatch.switches().merge == "auto"
+        tool.apply_side({"CUPA_DENSE": "always"})
+        assert dispatch.switches().dense == "always"
+    finally:
+        monkeypatch.undo()
+        dispatch.reload_switches()
+
+
+def test_rounds_alternate_which_side_goes_first():
+    assert ab_switch().round_orders(4) == [(0, 1), (1, 0), (0, 1), (1, 0)]
+    assert ab_switch().round_orders(1) == [(0, 1)]

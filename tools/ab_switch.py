@@ -1,0 +1,102 @@
+"""Time two settings of cupa's dispatch switches against each other, interleaved, on each shape.
+
+A planner or kernel-form experiment is an A/B within one process: both forms are planned on the
+same arrays, then timed in alternating order (A, B, then B, A, ...), so that a drift of the
+machine during the run lands on both. Timings as in `python -m cupa bench` (L2 flushed by
+writing, median of --iters launches); each round's figure is printed, and the medians' ratio.
+The two forms' outputs are compared too (relative difference), which shows whether the forms
+computed the same chunks in the same order (0) or not.
+
+    python3 tools/ab_switch.py CUPA_DENSE=always CUPA_DENSE=never --shapes 64x4096,16x16384
+    python3 tools/ab_switch.py CUPA_MERGE=cluster CUPA_MERGE=reduce --kv-format fp8_e4m3
+
+A side is one or more comma-separated NAME=VALUE assignments of the switches read by
+cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_CHAINED_REDUCE,
+CUPA_CHAINED_PHASE1); NAME= unsets one. Compile options (CUPA_EXTRA_OPTIONS) cannot change
+within a process: compare those with two runs.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupa  # noqa: E402
+from cupa.bench.main import DEFAULT_SHAPES  # noqa: E402
+from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+
+
+def parse_side(text: str) -> dict:
+    """'CUPA_A=x,CUPA_B=' -> {'CUPA_A': 'x', 'CUPA_B': None} (None: unset)."""
+    side = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("CUPA_"):
+            raise ValueError(f"a side is NAME=VALUE[,NAME=VALUE...] of CUPA_* switches, got {item!r}")
+        side[name] = value or None
+    return side
+
+
+def apply_side(side: dict) -> None:
+    """Set the side's switches in this process's environment and have cupa read them again."""
+    from cupa.gpu import dispatch
+    for name, value in side.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    dispatch.reload_switches()
+
+
+def round_orders(rounds: int) -> list:
+    """Which side goes first in each round: A, B, then B, A, alternating."""
+    return [(0, 1) if r % 2 == 0 else (1, 0) for r in range(rounds)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="side A: NAME=VALUE[,NAME=VALUE...]")
+    p.add_argument("b", help="side B, the same way")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+    add_problem_arguments(p)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args()
+    sides = (parse_side(args.a), parse_side(args.b))
+
+    import cupy
+    from cupa.bench.harness import Timer
+    timer = Timer(cupy, args.iters)
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        batch, seq_len = (int(x) for x in shape.split("x"))
+        query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
+        plans = []
+        for side in sides:
+            apply_side(side)
+            plans.append(cupa.plan_decode(query, key, value, tables, lens, **options))
+        per_call = {k: options[k] for k in ("query_start_loc",) if k in options}
+        outs = [cupy.asnumpy(plan.run(query, key, value, tables, lens, **per_call))
+                .astype(np.float64) for plan in plans]
+        diff = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
+        times = ([], [])
+        for order in round_orders(args.rounds):
+            for s in order:
+                plan = plans[s]
+                times[s].append(timer.median_us(
+                    lambda: plan.run(query, key, value, tables, lens, **per_call)))
+        a, b = (float(np.median(t)) for t in times)
+        rounds = " | ".join(" ".join(f"{x:.1f}" for x in t) for t in times)
+        print(f"{shape:>10}: A {a:8.1f} us, B {b:8.1f} us, A/B {a / b:.4f} (rounds {rounds}); "
+              f"kernels {plans[0].kernel} / {plans[1].kernel}, outputs differ by {diff:.2e}",
+              flush=True)
+        del query, key, value, tables, plans, outs
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
