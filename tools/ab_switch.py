@@ -36,7 +36,8 @@ def parse_side(text: str) -> dict:
     for item in text.split(","):
         name, sep, value = item.partition("=")
         if not sep or not name.startswith("CUPA_"):
-            raise ValueError(f"a side is NAME=VALUE[,NAME=VALUE...] of CUPA_* switches, got {item!r}")
+            raise ValueError(f"a side is NAME=VALUE[,NAME=VALUE...] of CUPA_* switches, "
+                             f"got {item!r}")
         side[name] = value or None
     return side
 

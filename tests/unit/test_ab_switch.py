@@ -24,8 +24,9 @@ def test_a_side_is_a_list_of_switch_assignments():
 def test_applying_a_side_changes_what_dispatch_reads(monkeypatch):
     from cupa.gpu import dispatch
     tool = ab_switch()
+    # Both set through monkeypatch first, so that undo() also takes back what the tool sets.
     monkeypatch.setenv("CUPA_MERGE", "reduce")
-    monkeypatch.delenv("CUPA_DENSE", raising=False)
+    monkeypatch.setenv("CUPA_DENSE", "auto")
     try:
         tool.apply_side({"CUPA_DENSE": "never", "CUPA_MERGE": None})
         assert dispatch.switches().dense == "never" and dispatch.switches().merge == "auto"
