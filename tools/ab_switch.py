@@ -42,17 +42,6 @@ def parse_side(text: str) -> dict:
     return side
 
 
-def apply_side(side: dict) -> None:
-    """Set the side's switches in this process's environment and have cupa read them again."""
-    from cupa.gpu import dispatch
-    for name, value in side.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    dispatch.reload_switches()
-
-
 def round_orders(rounds: int) -> list:
     """Which side goes first in each round: A, B, then B, A, alternating."""
     return [(0, 1) if r % 2 == 0 else (1, 0) for r in range(rounds)]
@@ -71,6 +60,7 @@ def main():
 
     import cupy
     from cupa.bench.harness import Timer
+    from cupa.gpu import dispatch
     timer = Timer(cupy, args.iters)
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
@@ -78,7 +68,7 @@ def main():
         query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
         plans = []
         for side in sides:
-            apply_side(side)
+            dispatch.set_switches(side)
             plans.append(cupa.plan_decode(query, key, value, tables, lens, **options))
         per_call = {k: options[k] for k in ("query_start_loc",) if k in options}
         outs = [cupy.asnumpy(plan.run(query, key, value, tables, lens, **per_call))

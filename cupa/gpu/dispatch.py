@@ -4,7 +4,8 @@ each is used.
 
 The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE,
 CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are read once, at
-first use; code that changes them within a process calls `reload_switches()` afterwards (plans
+first use; code that changes them within a process calls `reload_switches()` afterwards, or
+sets them with `set_switches()` (plans
 made before keep what they were made with).
 """
 
@@ -130,6 +131,17 @@ def switches() -> Switches:
 def reload_switches() -> None:
     """Read the environment switches again at their next use."""
     switches.cache_clear()
+
+
+def set_switches(values: dict) -> None:
+    """Set the CUPA_* environment switches in `values` in this process (None unsets one) and
+    have them read again at their next use (tests and A/B tools)."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    reload_switches()
 
 
 def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:

@@ -212,14 +212,8 @@ def environ(**values):
     CUPA_CHAINED_PHASE1) are read again on entry and on exit."""
     from cupa.gpu import dispatch
     saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    dispatch.reload_switches()
+    dispatch.set_switches(values)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        dispatch.reload_switches()
+        dispatch.set_switches(saved)

@@ -1,5 +1,6 @@
 """tools/ab_switch.py's parts that need no GPU: reading a side's switch assignments, setting
-them where cupa's dispatch reads them, and the alternating order of the timed rounds."""
+them where cupa's dispatch reads them (dispatch.set_switches), and the alternating order of the
+timed rounds."""
 
 from __future__ import annotations
 
@@ -23,14 +24,13 @@ def test_a_side_is_a_list_of_switch_assignments():
 
 def test_applying_a_side_changes_what_dispatch_reads(monkeypatch):
     from cupa.gpu import dispatch
-    tool = ab_switch()
     # Both set through monkeypatch first, so that undo() also takes back what the tool sets.
     monkeypatch.setenv("CUPA_MERGE", "reduce")
     monkeypatch.setenv("CUPA_DENSE", "auto")
     try:
-        tool.apply_side({"CUPA_DENSE": "never", "CUPA_MERGE": None})
+        dispatch.set_switches({"CUPA_DENSE": "never", "CUPA_MERGE": None})
         assert dispatch.switches().dense == "never" and dispatch.switches().merge == "auto"
-        tool.apply_side({"CUPA_DENSE": "always"})
+        dispatch.set_switches({"CUPA_DENSE": "always"})
         assert dispatch.switches().dense == "always"
     finally:
         monkeypatch.undo()
