@@ -12,8 +12,15 @@ computed the same chunks in the same order (0) or not.
 
 A side is one or more comma-separated NAME=VALUE assignments of the switches read by
 cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_CHAINED_REDUCE,
-CUPA_CHAINED_PHASE1); NAME= unsets one. Compile options (CUPA_EXTRA_OPTIONS) cannot change
-within a process: compare those with two runs.
+CUPA_CHAINED_PHASE1); NAME= unsets one. Compile options compare the same way: a plan compiles
+its kernels when it is made, with CUPA_EXTRA_OPTIONS as they are then, and cupa keeps one
+module per (device, variant, options), so the two sides run two builds of a kernel:
+
+    python3 tools/ab_switch.py CUPA_EXTRA_OPTIONS=-DCUPA_MMA_MIN_BLOCKS=3 CUPA_EXTRA_OPTIONS=
+
+The planner reads a variant's residency once per process, from the first side's build: an
+option that changes residency (registers, or shared memory through an experiment's host
+change) leaves both sides planned alike.
 """
 import argparse
 import os

@@ -17,6 +17,8 @@ def test_a_side_is_a_list_of_switch_assignments():
     parse = ab_switch().parse_side
     assert parse("CUPA_DENSE=never") == {"CUPA_DENSE": "never"}
     assert parse("CUPA_MERGE=cluster,CUPA_DENSE=") == {"CUPA_MERGE": "cluster", "CUPA_DENSE": None}
+    # Compile options: the value keeps its own '=' and spaces.
+    assert parse("CUPA_EXTRA_OPTIONS=-DA=1 -DB=2") == {"CUPA_EXTRA_OPTIONS": "-DA=1 -DB=2"}
     for bad in ("CUPA_DENSE", "DENSE=never", "CUPA_DENSE=never,", ""):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse(bad)
