@@ -23,7 +23,6 @@ option that changes residency (registers, or shared memory through an experiment
 change) leaves both sides planned alike.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 

@@ -5,8 +5,7 @@ each is used.
 The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE,
 CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are read once, at
 first use; code that changes them within a process calls `reload_switches()` afterwards, or
-sets them with `set_switches()` (plans
-made before keep what they were made with).
+sets them with `set_switches()` (plans made before keep what they were made with).
 """
 
 from __future__ import annotations
