@@ -9,6 +9,10 @@ computed the same chunks in the same order (0) or not.
 
     python3 tools/ab_switch.py CUPA_DENSE=always CUPA_DENSE=never --shapes 64x4096,16x16384
     python3 tools/ab_switch.py CUPA_MERGE=cluster CUPA_MERGE=reduce --kv-format fp8_e4m3
+    python3 tools/ab_switch.py CUPA_CHAINED_REDUCE=1 CUPA_CHAINED_REDUCE=0 --shapes longtail64
+
+A shape is BxL or the name of one of the bench's ragged batches (cupa.bench.ragged), which gets
+both length hints as in the bench.
 
 A side is one or more comma-separated NAME=VALUE assignments of the switches read by
 cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_CHAINED_REDUCE,
@@ -33,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupa  # noqa: E402
 from cupa.bench.main import DEFAULT_SHAPES  # noqa: E402
-from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+from decode_problem import (RAGGED_BATCHES, add_problem_arguments, decode_problem,  # noqa: E402
+                            ragged_problem)
 
 
 def parse_side(text: str) -> dict:
@@ -70,8 +75,12 @@ def main():
     timer = Timer(cupy, args.iters)
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
-        batch, seq_len = (int(x) for x in shape.split("x"))
-        query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
+        if shape in RAGGED_BATCHES:
+            problem = ragged_problem(cupy, shape, args)
+        else:
+            batch, seq_len = (int(x) for x in shape.split("x"))
+            problem = decode_problem(cupy, rng, batch, seq_len, args)
+        query, key, value, tables, lens, options = problem
         plans = []
         for side in sides:
             dispatch.set_switches(side)

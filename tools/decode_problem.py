@@ -1,9 +1,11 @@
 """The decode problem the device tools time or profile: the bench's random paged KV (cupa.bench
-make_problem), optionally with several new tokens per sequence and an fp8 cache."""
+make_problem), optionally with several new tokens per sequence and an fp8 cache, or one of the
+bench's ragged batches by name (cupa.bench.ragged.RAGGED_BATCHES)."""
 import numpy as np
 
 import cupa
-from cupa.bench.harness import make_problem
+from cupa.bench.harness import make_problem, random_kv, random_query
+from cupa.bench.ragged import RAGGED_BATCHES, ragged_batch
 
 FP8_SCALE = 0.02  # N(0, 1) data: codes use the upper range without saturating much
 
@@ -22,7 +24,23 @@ def decode_problem(cupy, rng, batch, seq_len, args):
     """(query, key, value, block_tables, seq_lens, options): the arrays plus the keyword arguments
     cupa.decode needs for them (query_start_loc, kv_format and scales, max_seq_len)."""
     query, key, value, tables, lens, _ = make_problem(cupy, rng, batch, seq_len, args)
-    options = dict(max_seq_len=seq_len)
+    return with_options(cupy, query, key, value, tables, lens, dict(max_seq_len=seq_len), args)
+
+
+def ragged_problem(cupy, name, args):
+    """decode_problem for the bench's ragged batch `name` (RAGGED_BATCHES), with both length
+    hints as the bench gives them."""
+    ragged = ragged_batch(name, args.block_size)
+    key, value = random_kv(cupy, ragged.num_blocks, args)
+    query = random_query(cupy, ragged.num_seqs, args)
+    tables, lens = cupy.asarray(ragged.block_tables), cupy.asarray(ragged.seq_lens)
+    hints = dict(max_seq_len=ragged.longest, total_seq_len=ragged.total)
+    return with_options(cupy, query, key, value, tables, lens, hints, args)
+
+
+def with_options(cupy, query, key, value, tables, lens, options, args):
+    """The problem with args' new tokens per sequence and fp8 cache applied."""
+    batch = len(lens)
     if args.query_len > 1:
         query = cupy.random.standard_normal((batch * args.query_len,) + query.shape[1:],
                                             dtype=cupy.float32).astype(query.dtype)
