@@ -4,8 +4,8 @@ bench's ragged batches by name (cupa.bench.ragged.RAGGED_BATCHES)."""
 import numpy as np
 
 import cupa
-from cupa.bench.harness import make_problem, random_kv, random_query
-from cupa.bench.ragged import RAGGED_BATCHES, ragged_batch
+from cupa.bench.harness import make_problem
+from cupa.bench.ragged import RAGGED_BATCHES, ragged_arrays, ragged_batch
 
 FP8_SCALE = 0.02  # N(0, 1) data: codes use the upper range without saturating much
 
@@ -30,12 +30,8 @@ def decode_problem(cupy, rng, batch, seq_len, args):
 def ragged_problem(cupy, name, args):
     """decode_problem for the bench's ragged batch `name` (RAGGED_BATCHES), with both length
     hints as the bench gives them."""
-    ragged = ragged_batch(name, args.block_size)
-    key, value = random_kv(cupy, ragged.num_blocks, args)
-    query = random_query(cupy, ragged.num_seqs, args)
-    tables, lens = cupy.asarray(ragged.block_tables), cupy.asarray(ragged.seq_lens)
-    hints = dict(max_seq_len=ragged.longest, total_seq_len=ragged.total)
-    return with_options(cupy, query, key, value, tables, lens, hints, args)
+    arrays = ragged_arrays(cupy, ragged_batch(name, args.block_size), args)
+    return with_options(cupy, *arrays, args)
 
 
 def with_options(cupy, query, key, value, tables, lens, options, args):

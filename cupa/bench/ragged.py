@@ -158,13 +158,20 @@ def ragged_row(batch: RaggedBatch, args, ceiling_tbs: float, figures: dict) -> d
     return row
 
 
-def time_ragged(cupy, timer, batch: RaggedBatch, args, ceiling_tbs: float) -> dict:
-    """Time cupa (both hints, then the longest alone) and FlashInfer on `batch`; its row."""
+def ragged_arrays(cupy, batch: RaggedBatch, args):
+    """(query, key, value, block_tables, seq_lens, hints) of `batch` on the device: random query
+    and K/V in the bench's layout, and both length hints, as a serving loop has them."""
     key, value = random_kv(cupy, batch.num_blocks, args)
     query = random_query(cupy, batch.num_seqs, args)
     tables, lens = cupy.asarray(batch.block_tables), cupy.asarray(batch.seq_lens)
+    return query, key, value, tables, lens, dict(max_seq_len=batch.longest,
+                                                 total_seq_len=batch.total)
+
+
+def time_ragged(cupy, timer, batch: RaggedBatch, args, ceiling_tbs: float) -> dict:
+    """Time cupa (both hints, then the longest alone) and FlashInfer on `batch`; its row."""
+    query, key, value, tables, lens, hints = ragged_arrays(cupy, batch, args)
     out = cupy.empty_like(query)
-    hints = dict(max_seq_len=batch.longest, total_seq_len=batch.total)
     longest_only = dict(max_seq_len=batch.longest)
 
     def cupa(options):
