@@ -15,8 +15,9 @@ A shape is BxL or the name of one of the bench's ragged batches (cupa.bench.ragg
 both length hints as in the bench.
 
 A side is one or more comma-separated NAME=VALUE assignments of the switches read by
-cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_CHAINED_REDUCE,
-CUPA_CHAINED_PHASE1); NAME= unsets one. Compile options compare the same way: a plan compiles
+cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_STAGGER,
+CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1); NAME= unsets one. CUPA_PARTITION_SIZE=N is the tool's own: that side's
+plan takes N-token partitions. Compile options compare the same way: a plan compiles
 its kernels when it is made, with CUPA_EXTRA_OPTIONS as they are then, and cupa keeps one
 module per (device, variant, options), so the two sides run two builds of a kernel:
 
@@ -83,8 +84,11 @@ def main():
         query, key, value, tables, lens, options = problem
         plans = []
         for side in sides:
+            side = dict(side)
+            forced = side.pop("CUPA_PARTITION_SIZE", None)  # a tool-side switch: the plan's size
             dispatch.set_switches(side)
-            plans.append(cupa.plan_decode(query, key, value, tables, lens, **options))
+            sized = dict(options, partition_size=int(forced)) if forced else options
+            plans.append(cupa.plan_decode(query, key, value, tables, lens, **sized))
         per_call = {k: options[k] for k in ("query_start_loc",) if k in options}
         outs = [cupy.asnumpy(plan.run(query, key, value, tables, lens, **per_call))
                 .astype(np.float64) for plan in plans]
