@@ -2,7 +2,7 @@
 are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; this says when
 each is used.
 
-The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE,
+The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_STAGGER,
 CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are read once, at
 first use; code that changes them within a process calls `reload_switches()` afterwards, or
 sets them with `set_switches()` (plans made before keep what they were made with).
@@ -93,6 +93,8 @@ DENSE_MIN_SM = 90
 DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
 # CUPA_DENSE: auto (the rule above), always (wherever the dense form exists) or never.
 DENSE_FORMS = ("auto", "always", "never")
+# CUPA_STAGGER: auto (planner.first_wave_stagger) or never.
+STAGGER_FORMS = ("auto", "never")
 
 
 # Compared and hashed by identity (eq=False): switches() returns one object until
@@ -104,6 +106,7 @@ class Switches:
     merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce
     row_chunks: str = "auto"      # CUPA_ROW_CHUNKS: auto, always or never (ROW_CHUNK_FORMS)
     dense: str = "auto"           # CUPA_DENSE: auto, always or never (DENSE_FORMS)
+    stagger: str = "auto"         # CUPA_STAGGER: auto or never (STAGGER_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
     chained_phase1: bool = True   # CUPA_CHAINED_PHASE1=0: ordinary phase-1 launches
 
@@ -123,6 +126,7 @@ def switches() -> Switches:
                     merge=_form("CUPA_MERGE", MERGE_FORMS),
                     row_chunks=_form("CUPA_ROW_CHUNKS", ROW_CHUNK_FORMS),
                     dense=_form("CUPA_DENSE", DENSE_FORMS),
+                    stagger=_form("CUPA_STAGGER", STAGGER_FORMS),
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0",
                     chained_phase1=os.environ.get("CUPA_CHAINED_PHASE1", "1") != "0")
 

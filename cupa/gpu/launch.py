@@ -85,7 +85,8 @@ class DecodeLaunch:
                    i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
                    i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
                    i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
-                   i32(plan.cluster_merge), i32(plan.all_ids_early))
+                   i32(plan.cluster_merge), i32(plan.all_ids_early),
+                   i32(info.multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns))
         block = (catalogue.THREADS, 1, 1)
         self.empty = shape.num_seqs == 0
         self.workspace_bytes, self._max_offset, self._sum_offset = workspace_bytes(plan, shape)

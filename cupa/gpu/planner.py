@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..problem import MAX_GRID_YZ, DecodeShape
 from . import dispatch
-from .catalogue import MAX_CLUSTER, DecodeMmaVariant
+from .catalogue import MAX_CLUSTER, DecodeMmaVariant, sm_number
 
 # Two partitions merged within clusters are planned instead of more partitions and the reduce
 # launch from this many workgroups per multiprocessor (measured at 0.97), for partitions of at
@@ -66,6 +66,19 @@ ONE_TILE_ROWS = 16
 # clusters lose: 1 x 16384 back to back 24.5 -> 32.0 us, 1 x 32768 40.1 -> 55.3 (v27: again).
 SMALL_LAUNCH_MAX_TOKENS = 512
 SMALL_LAUNCH_MAX_BYTES = 256 << 10
+# Grids of more than one wave of the tensor-core kernels (sm_90) start the first wave's
+# workgroups of a multiprocessor spread over STAGGER_SPREAD_NS: slot k of n waits k x
+# STAGGER_SPREAD_NS / n after its claim (stagger_first_wave in kernels/mma/ring.cuh), so that
+# the slots of a multiprocessor do not end and restart together, each wave's prologue unhidden.
+# H200, uniform batches, no stagger -> k x step (docs/perf-log.md v34): GQA 8 at 128 x 1024
+# (1024 workgroups, two a multiprocessor) 142.0 -> 139.5 us at 4 us, 139.2 at 6, 139.5 at 8,
+# 141.6 at 16; 256 x 2048 496.1 -> 494.1 at 4-6 us, 500.4 at 30; 96 x 1024 111.3 -> 110.3 at
+# 10; group 16 at 128 x 1024 82.2 -> 81.5 at 5 (bf16 82.6 -> 81.5 at 8); head 64 (its dense
+# form, four a multiprocessor) 77.8 -> 77.1 at 2.5 us steps, 78.5 at 9; but 64 x 4096 255.4 ->
+# 261.3 at 30. A grid of one wave has no restarts to spread and pays the wait: 32 x 2048 76.8 ->
+# 77.9 at 10.
+STAGGER_MIN_SM = 90
+STAGGER_SPREAD_NS = 10_000
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
 NEARLY_UNIFORM_FILL = 0.9
@@ -85,6 +98,10 @@ class LaunchPlan:
     # the length (early_ids in kernels/mma/ring.cuh): where the grid is one wave
     # (one_wave) or merges in clusters, an empty workgroup that waits for them delays nobody.
     all_ids_early: bool = False
+    # The first wave's workgroups of a multiprocessor start stagger_ns apart, up to stagger_slots
+    # of them (first_wave_stagger; 0: at once).
+    stagger_slots: int = 0
+    stagger_ns: int = 0
 
     @property
     def single_partition(self) -> bool:
@@ -163,11 +180,14 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     small = _small_launch(shape, variant, partition_size, workgroups, multiprocessors, fill)
     cluster = dispatch.merges_in_cluster(variant, arch, max_partitions, head_chunks,
                                          planned=MAX_CLUSTER if small else dispatch.PLANNED_CLUSTER)
+    slots, step = first_wave_stagger(variant, arch, workgroups, multiprocessors, residency, fill,
+                                     cluster)
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
                       cluster_merge=cluster,
                       all_ids_early=cluster or one_wave(variant, workgroups, multiprocessors,
-                                                        residency))
+                                                        residency),
+                      stagger_slots=slots, stagger_ns=step)
 
 
 def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
@@ -175,6 +195,21 @@ def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
     residency is unknown)."""
     per_sm = residency(variant) if residency is not None else 0
     return 0 < workgroups <= (per_sm or 0) * multiprocessors
+
+
+def first_wave_stagger(variant, arch: str, workgroups: int, multiprocessors: int, residency,
+                       fill: float, cluster: bool) -> tuple:
+    """(slots, step in ns) of the first wave's stagger (STAGGER_SPREAD_NS), or (0, 0): a uniform
+    batch's grid of more than one wave of a tensor-core kernel that holds two or more workgroups
+    a multiprocessor, on sm_90, merging by the reduce or in one partition (a cluster's
+    workgroups start together by design)."""
+    per_sm = (residency(variant) if residency is not None else 0) or 0
+    if (dispatch.switches().stagger == "never" or cluster or fill < NEARLY_UNIFORM_FILL
+            or not isinstance(variant, DecodeMmaVariant) or not arch.startswith("sm_")
+            or sm_number(arch) < STAGGER_MIN_SM or per_sm < 2
+            or workgroups <= per_sm * multiprocessors):
+        return 0, 0
+    return per_sm, STAGGER_SPREAD_NS // per_sm
 
 
 def _small_launch(shape: DecodeShape, variant, partition_size: int, workgroups: int,

@@ -12,9 +12,10 @@ constexpr float LN2 = 0.6931471805599453f;
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
-// The argument list every phase-1 kernel takes, in the order gpu.py passes it. A macro, so the
-// kernels and their extern "C" wrappers cannot drift apart. T is the query/output storage type,
-// C the cache's (T itself, or cupa_fp8 codes whose per-KV-head scales come in kv_scales).
+// The argument list every phase-1 kernel takes, in the order cupa/gpu/launch.py passes it. A
+// macro, so the kernels and their extern "C" wrappers cannot drift apart. T is the query/output
+// storage type, C the cache's (T itself, or cupa_fp8 codes whose per-KV-head scales come in
+// kv_scales). The stagger_* arguments serve the tensor-core kernels only (stagger_first_wave).
 #define CUPA_PARTITION_PARAMS(T, C)                                                              \
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                 \
         float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query, \
@@ -24,12 +25,14 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
         const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, float scale,    \
         float soft_cap, i32 sliding_window, i32 num_tokens, i32 num_heads, i32 num_kv_heads,     \
         i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
-        i32 max_partitions, i32 head_chunks, i32 cluster_merge, i32 all_ids_early
+        i32 max_partitions, i32 head_chunks, i32 cluster_merge, i32 all_ids_early,             \
+        i32 stagger_sms, i32 stagger_slots, i32 stagger_ns
 #define CUPA_PARTITION_ARGS                                                                      \
     out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, kv_scales,            \
         block_tables, seq_lens, query_start_loc, alibi_slopes, sinks, scale, soft_cap,           \
         sliding_window, num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq,     \
-        num_blocks, partition_size, max_partitions, head_chunks, cluster_merge, all_ids_early
+        num_blocks, partition_size, max_partitions, head_chunks, cluster_merge, all_ids_early,   \
+        stagger_sms, stagger_slots, stagger_ns
 
 // Most new tokens per sequence in one call (multi-token decode for speculative decoding).
 constexpr int MAX_QUERY_LEN = 16;

@@ -249,6 +249,36 @@ def test_cluster_merge_sizes(rng, switch, num_partitions):
         check_lse(lse, ref_lse, f"run {run}")
 
 
+def test_a_staggered_first_wave_changes_no_output(rng, switch):
+    """A uniform batch whose grid takes several waves starts its first wave staggered on sm_90
+    (planner.first_wave_stagger): the output matches the reference and, bit for bit, the same
+    problem's without the stagger."""
+    import cupy
+    from cupa.gpu import planner
+    from cupa.gpu.catalogue import sm_number
+    from cupa.gpu.device import device_info
+    lengths = tuple(int(n) for n in rng.integers(460, 513, 96))  # 768 workgroups
+    case = make_case(rng, dtype="float16", head_size=128, num_kv_heads=8, group=8,
+                     seq_lens=lengths)
+    args, options = to_gpu(case)
+    outs = []
+    for setting in (None, "never"):
+        switch("CUPA_STAGGER", setting)
+        plan = cupa.plan_decode(*args, **options, max_seq_len=512)
+        launch = plan._launch_plan
+        arch = device_info().target.arch
+        expect = (setting is None and arch.startswith("sm_")
+                  and sm_number(arch) >= planner.STAGGER_MIN_SM
+                  and isinstance(launch.variant, catalogue.DecodeMmaVariant))
+        assert (launch.stagger_ns > 0) == expect, launch
+        plan.out.fill(np.nan)
+        outs.append(cupy.asnumpy(plan.run(*args)))
+    ref, _ = paged_decode_reference(*case.args(), **case.options())
+    assert np.isfinite(outs[0].astype(np.float32)).all()
+    assert rel_error(outs[0], ref) <= REL_BOUND["float16"]
+    assert np.array_equal(outs[0], outs[1])
+
+
 def test_numpy_inputs_give_numpy_outputs(rng):
     case = make_case(rng, dtype="float16", head_size=128, group=2, seq_lens=(33, 400))
     out = cupa.decode(*case.args(), backend="gpu")

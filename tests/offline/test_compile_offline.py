@@ -259,7 +259,8 @@ def _ptx_of(variant, arch="sm_90"):
 def test_phase_stamps_build_only_when_asked(monkeypatch):
     """tools/phase_stamps.py's build (-DCUPA_PHASE_STAMPS through CUPA_EXTRA_OPTIONS) gives both
     tensor-core kernels their stamp table and marks (a clock read per phase mark, the global
-    timer); the default build has neither."""
+    timer at the start and end); the default build has neither (its one global-timer read
+    is the first wave's stagger, ring.cuh)."""
     require_compilers([nvrtc_missing()])
     kernels = [v for v in catalogue.all_mma_variants()
                if v.tag == "f16" and v.head_size == 128]
@@ -269,6 +270,7 @@ def test_phase_stamps_build_only_when_asked(monkeypatch):
         plain = _ptx_of(variant)
         monkeypatch.setenv("CUPA_EXTRA_OPTIONS", "-DCUPA_PHASE_STAMPS")
         stamped = _ptx_of(variant)
-        assert "cupa_phase_stamps" not in plain and "globaltimer" not in plain
-        assert "cupa_phase_stamps" in stamped and "globaltimer" in stamped
+        assert "cupa_phase_stamps" not in plain
+        assert "cupa_phase_stamps" in stamped
+        assert stamped.count("%globaltimer") > plain.count("%globaltimer")
         assert stamped.count("%clock64") >= 8 > plain.count("%clock64")

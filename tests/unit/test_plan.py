@@ -2,7 +2,7 @@
 
 import pytest
 
-from cupa.gpu import catalogue, dispatch
+from cupa.gpu import catalogue, dispatch, planner
 from cupa.gpu.planner import make_plan
 from cupa.problem import MAX_GRID_YZ
 from cupa.problem import DecodeShape
@@ -740,3 +740,43 @@ def test_every_partition_asks_for_block_ids_early_only_where_no_slot_waits(
     unknown = make_plan(shape(**problem), H200_SMS, arch="sm_90", max_seq_len=L,
                         total_seq_len=lengths)  # residency unknown: only where clusters merge
     assert unknown.all_ids_early is unknown.cluster_merge
+
+
+@pytest.mark.parametrize("problem, arch, lengths, stagger", [
+    (dict(batch=128, seq_len=1024), "sm_90", None, (2, 5000)),     # 1024 on 264 slots
+    (dict(batch=256, seq_len=2048), "sm_90", None, (2, 5000)),
+    (dict(batch=128, seq_len=1024, head_size=64), "sm_90", None, (4, 2500)),  # dense form
+    (dict(batch=128, seq_len=1024, kv_heads=4), "sm_90", None, (2, 5000)),  # 16-row kernel
+    (dict(batch=32, seq_len=2048), "sm_90", None, (0, 0)),         # 256 on 264: one wave
+    (dict(batch=16, seq_len=16384), "sm_90", None, (0, 0)),        # cluster pairs
+    (dict(batch=64, seq_len=32768), "sm_90", 64 * 1024, (0, 0)),   # ragged
+    (dict(batch=128, seq_len=1024), "sm_80", None, (0, 0)),        # measured on sm_90 only
+    (dict(batch=128, seq_len=1024), "gfx942", None, (0, 0)),       # AMD matrix cores
+    (dict(batch=128, seq_len=1024, dtype="float32"), "sm_90", None, (0, 0)),  # portable kernel
+])
+def test_the_first_wave_is_staggered_only_in_uniform_grids_of_several_waves(
+        switch, problem, arch, lengths, stagger):
+    """A uniform batch's tensor-core grid of more than one wave on sm_90 starts the first wave's
+    k-th workgroup of a multiprocessor k steps late, the steps spreading its slots over
+    STAGGER_SPREAD_NS (planner.first_wave_stagger); nowhere else, and never without the
+    residency or with CUPA_STAGGER=never."""
+    def h200_residency(variant):  # as the H200 measures it: the dense forms hold four
+        return (catalogue.DENSE_RING["workgroups"] if getattr(variant, "dense", False)
+                else variant.workgroups_per_sm)
+
+    switch("CUPA_MERGE", None)
+    switch("CUPA_STAGGER", None)
+    L = problem["seq_len"]
+    plan = make_plan(shape(**problem), H200_SMS, arch=arch, max_seq_len=L, total_seq_len=lengths,
+                     residency=h200_residency)
+    assert (plan.stagger_slots, plan.stagger_ns) == stagger, plan
+    if stagger[0]:
+        assert stagger[0] * stagger[1] == planner.STAGGER_SPREAD_NS
+        assert stagger[0] == h200_residency(plan.variant)
+    unknown = make_plan(shape(**problem), H200_SMS, arch=arch, max_seq_len=L,
+                        total_seq_len=lengths)
+    assert (unknown.stagger_slots, unknown.stagger_ns) == (0, 0)
+    switch("CUPA_STAGGER", "never")
+    never = make_plan(shape(**problem), H200_SMS, arch=arch, max_seq_len=L,
+                      total_seq_len=lengths, residency=h200_residency)
+    assert (never.stagger_slots, never.stagger_ns) == (0, 0)

@@ -251,12 +251,40 @@ CUPA_FN bool early_ids(KvStream<C, D, DENSE_STAGES>& kv, unsigned char* ring,
 CUPA_FN void finish_early_ids(bool started) {
     if (started) wait_copies<0>();
 }
+// In a grid of several waves, the workgroups that share a multiprocessor would start together,
+// end together and start their successors together: every wave's prologue (three dependent
+// round trips, ~5 us) would leave the multiprocessor reading nothing, the other workgroups
+// being in theirs too. Per-phase stamps of 128 x 1024 showed exactly that (docs/perf-log.md
+// v34). So the first wave's k-th workgroup of a multiprocessor (slot k, 0 < k < stagger_slots)
+// waits k * stagger_ns after its claim; the slots then stay apart in the later waves, each
+// prologue in the shadow of the others' streaming. Slot k is taken as the linear block id over
+// stagger_sms, the order in which the hardware fills the multiprocessors (124 of 132 distinct
+// multiprocessors for the first 132 ids, in the same stamps). stagger_ns 0: off (planner).
+CUPA_FN void stagger_first_wave(int stagger_sms, int stagger_slots, int stagger_ns) {
+#if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    if (stagger_ns <= 0) return;
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned slot = b / (unsigned)stagger_sms;
+    if (slot == 0 || slot >= (unsigned)stagger_slots) return;
+    const unsigned long long wait = (unsigned long long)slot * (unsigned)stagger_ns;
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(256);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < wait);
+#endif
+}
+
 template <typename T, typename C, int ROWS, int D>
 CUPA_FN bool claim_partition(PartitionWork& w, CUPA_PARTITION_PARAMS(T, C)) {
-    return begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
-                                       sliding_window, num_tokens, num_heads, num_kv_heads,
-                                       block_size, max_blocks_per_seq, partition_size,
-                                       max_partitions, head_chunks, cluster_merge);
+    if (!begin_partition<T, ROWS, D>(w, out, lse, seq_lens, query_start_loc, sinks,
+                                     sliding_window, num_tokens, num_heads, num_kv_heads,
+                                     block_size, max_blocks_per_seq, partition_size,
+                                     max_partitions, head_chunks, cluster_merge))
+        return false;
+    stagger_first_wave(stagger_sms, stagger_slots, stagger_ns);
+    return true;
 }
 
 template <typename C, int D, int DENSE_STAGES>
