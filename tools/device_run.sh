@@ -6,7 +6,11 @@
 #             the portable kernel at gfx942 (wave64) and gfx1100 (wave32), the matrix-core
 #             kernel at gfx90a, gfx942 (MFMA), gfx1100 and gfx1201 (WMMA); CUPA_EMULATED_TARGETS
 #             picks entries ("gfx942", "gfx942:portable").
-# Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present.
+# Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present:
+# .whl/*.whl, or .whlx/*.tar.xz, the same wheels unpacked and xz-compressed (19 MB against 62 MiB,
+# for when the wheels no longer fit the device's 64 MiB carry beside the tree), made with
+#   mkdir -p /tmp/fi .whlx && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/fi; done
+#   tar cJf .whlx/site.tar.xz -C /tmp/fi .
 # The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
 # reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
 set -u
@@ -15,6 +19,9 @@ export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 TVM_FFI_DIS
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+elif ls .whlx/*.tar.xz >/dev/null 2>&1; then
+  mkdir -p /tmp/site && for t in .whlx/*.tar.xz; do tar xJf "$t" -C /tmp/site; done \
+    && export PYTHONPATH=/tmp/site
 fi
 what="${1:-all}"
 shift || true
