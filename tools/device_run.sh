@@ -10,7 +10,7 @@
 # .whl/*.whl, or .whlx/*.tar.xz, the same wheels unpacked and xz-compressed (19 MB against 62 MiB,
 # for when the wheels no longer fit the device's 64 MiB carry beside the tree), made with
 #   mkdir -p /tmp/fi .whlx && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/fi; done
-#   tar cJf .whlx/site.tar.xz -C /tmp/fi .
+#   tar cJf .whlx/site.tar.xz -C /tmp/fi .   (and /.whlx/ in .git/info/exclude, as /.whl/)
 # The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
 # reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
 set -u
