@@ -190,11 +190,15 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                       stagger_slots=slots, stagger_ns=step)
 
 
+def resident_per_sm(variant, residency) -> int:
+    """Workgroups of `variant` a multiprocessor holds at once, 0 where unknown (no residency)."""
+    return (residency(variant) if residency is not None else 0) or 0
+
+
 def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
     """Whether a grid of `workgroups` runs as one wave: all resident at once (False where the
     residency is unknown)."""
-    per_sm = residency(variant) if residency is not None else 0
-    return 0 < workgroups <= (per_sm or 0) * multiprocessors
+    return 0 < workgroups <= resident_per_sm(variant, residency) * multiprocessors
 
 
 def first_wave_stagger(variant, arch: str, workgroups: int, multiprocessors: int, residency,
@@ -203,11 +207,10 @@ def first_wave_stagger(variant, arch: str, workgroups: int, multiprocessors: int
     batch's grid of more than one wave of a tensor-core kernel that holds two or more workgroups
     a multiprocessor, on sm_90, merging by the reduce or in one partition (a cluster's
     workgroups start together by design)."""
-    per_sm = (residency(variant) if residency is not None else 0) or 0
+    per_sm = resident_per_sm(variant, residency)
     if (dispatch.switches().stagger == "never" or cluster or fill < NEARLY_UNIFORM_FILL
-            or not isinstance(variant, DecodeMmaVariant) or not arch.startswith("sm_")
-            or sm_number(arch) < STAGGER_MIN_SM or per_sm < 2
-            or workgroups <= per_sm * multiprocessors):
+            or not isinstance(variant, DecodeMmaVariant) or sm_number(arch) < STAGGER_MIN_SM
+            or per_sm < 2 or one_wave(variant, workgroups, multiprocessors, residency)):
         return 0, 0
     return per_sm, STAGGER_SPREAD_NS // per_sm
 
@@ -249,8 +252,7 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     # finish: group 16 at 96 x 1024 (384 workgroups on 264 slots) 84.7 us whole, 93.5 halved;
     # 80 x 1024 82.4 and 89.3; 96 x 2048 135.0 and 138.3 (docs/perf-log.md v23). The 8-column
     # kernel at 40 x 4096: 211.0 and 185.8.
-    per_sm = residency(variant) if residency is not None else None
-    resident = 0 if sixteen else (per_sm or 0) * multiprocessors
+    resident = 0 if sixteen else resident_per_sm(variant, residency) * multiprocessors
     if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
         splits = 2
     # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce

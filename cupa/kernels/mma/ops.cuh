@@ -19,17 +19,27 @@ namespace cupa {
 enum { PHASE_START, PHASE_CLAIMED, PHASE_STREAM_STARTED, PHASE_FIRST_CHUNK, PHASE_CHUNKS_DONE,
        PHASE_COPIES_ENDED, PHASE_ROWS_SHARED, PHASE_DONE, PHASE_TIMER_START, PHASE_TIMER_END,
        PHASE_SM, PHASE_COLUMNS = 16 };
+// The workgroup's place in the grid's launch order (x fastest, then y, then z).
+CUPA_FN unsigned linear_block_id() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+// The global timer, in nanoseconds.
+CUPA_FN unsigned long long global_timer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 #ifdef CUPA_PHASE_STAMPS
 constexpr unsigned PHASE_BLOCKS = 16384;  // workgroups recorded (the first of larger grids)
 extern "C" __device__ unsigned long long cupa_phase_stamps[PHASE_BLOCKS][PHASE_COLUMNS];
 __device__ unsigned long long cupa_phase_stamps[PHASE_BLOCKS][PHASE_COLUMNS];
 CUPA_FN void phase_stamp(int k) {
-    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned b = linear_block_id();
     if (threadIdx.x != 0 || b >= PHASE_BLOCKS) return;
     unsigned long long* row = cupa_phase_stamps[b];
     row[k] = clock64();
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const unsigned long long t = global_timer_ns();
     if (k == PHASE_START) {
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));

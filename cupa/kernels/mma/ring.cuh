@@ -263,16 +263,12 @@ CUPA_FN void finish_early_ids(bool started) {
 CUPA_FN void stagger_first_wave(int stagger_sms, int stagger_slots, int stagger_ns) {
 #if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
     if (stagger_ns <= 0) return;
-    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const unsigned slot = b / (unsigned)stagger_sms;
+    const unsigned slot = linear_block_id() / (unsigned)stagger_sms;
     if (slot == 0 || slot >= (unsigned)stagger_slots) return;
     const unsigned long long wait = (unsigned long long)slot * (unsigned)stagger_ns;
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        __nanosleep(256);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < wait);
+    const unsigned long long t0 = global_timer_ns();
+    do __nanosleep(256);
+    while (global_timer_ns() - t0 < wait);
 #endif
 }
 
