@@ -750,6 +750,10 @@ def test_every_partition_asks_for_block_ids_early_only_where_no_slot_waits(
     (dict(batch=32, seq_len=2048), "sm_90", None, (0, 0)),         # 256 on 264: one wave
     (dict(batch=16, seq_len=16384), "sm_90", None, (0, 0)),        # cluster pairs
     (dict(batch=64, seq_len=32768), "sm_90", 64 * 1024, (0, 0)),   # ragged
+    # a sliding window: 1024 workgroups of which 128 read (the busy ones' block ids would
+    # count the empty ones as the first wave) and 256 of which 64 read
+    (dict(batch=1, seq_len=32768, window=4096), "sm_90", None, (0, 0)),
+    (dict(batch=8, seq_len=32768, window=4096), "sm_90", None, (0, 0)),
     (dict(batch=128, seq_len=1024), "sm_80", None, (0, 0)),        # measured on sm_90 only
     (dict(batch=128, seq_len=1024), "gfx942", None, (0, 0)),       # AMD matrix cores
     (dict(batch=128, seq_len=1024, dtype="float32"), "sm_90", None, (0, 0)),  # portable kernel
@@ -758,8 +762,8 @@ def test_the_first_wave_is_staggered_only_in_uniform_grids_of_several_waves(
         switch, problem, arch, lengths, stagger):
     """A uniform batch's tensor-core grid of more than one wave on sm_90 starts the first wave's
     k-th workgroup of a multiprocessor k steps late, the steps spreading its slots over
-    STAGGER_SPREAD_NS (planner.first_wave_stagger); nowhere else, and never without the
-    residency or with CUPA_STAGGER=never."""
+    STAGGER_SPREAD_NS (planner.first_wave_stagger); nowhere else (not where partitions of the
+    grid are empty), and never without the residency or with CUPA_STAGGER=never."""
     def h200_residency(variant):  # as the H200 measures it: the dense forms hold four
         return (catalogue.DENSE_RING["workgroups"] if getattr(variant, "dense", False)
                 else variant.workgroups_per_sm)
