@@ -2,7 +2,7 @@
 once.
 
 Why not cupy's `RawKernel.__call__`: it converts every argument on every call, ~9-15 us for a
-decode kernel's 28 arguments on an H200 host, which is most of a short decode. A
+decode kernel's arguments (28 when measured) on an H200 host, which is most of a short decode. A
 `PreparedLaunch` builds the argument block once; a call rewrites the pointer arguments (one
 slice assignment) and makes one ctypes call. The same handle cupy compiled is launched:
 
