@@ -1,0 +1,207 @@
+"""What paging costs a decode's reads: bare-read floors in the decode's own grid, beside cupa and
+torch SDPA (a GPU-only probe for the performance docs' floors).
+
+For each shape, one bench problem (shuffled blocks, cupa.bench.make_problem) and the planner's
+partitions. Every floor kernel runs cupa's grid of one workgroup of 128 threads per (partition,
+KV head, sequence), copies its K/V into shared memory as cupa's ring does (cp.async, two to
+three steps of 32 KB in flight), holds --per-sm workgroups a multiprocessor (by its shared
+memory, as cupa's ring sets cupa's: two for the 8-column and 16-row kernels at head 128), and
+does nothing else (no products, no merge, no output). They differ in what a workgroup must learn before its
+first K/V load:
+
+- dense: nothing. Each (sequence, KV head) is one contiguous run of tokens, as SDPA's dense
+  [B, Hkv, L, D] copy of the KV is (the same bytes, reinterpreted).
+- paged: the sequence's length, then its partition's block ids, then the blocks: two dependent
+  round trips, as cupa's partitions took before v28.
+- paged, ids early: the block ids asked for with the length (cupa's one-wave grids since v29).
+- in order: the same with every sequence's blocks in order (identity block tables), so that
+  the shuffle's cost (DRAM locality) shows apart from the lookups'. cupa runs that way too.
+
+Next to them: the grid-stride read of the same bytes (the read floor of docs/performance.md),
+cupa's decode and SDPA on the dense copy, all timed as the bench times (L2 flushed by writing,
+median of --iters), in one process.
+
+    python3 tools/paged_floor.py --shapes 1x4096,1x32768,32x2048,128x1024
+    python3 tools/paged_floor.py --kv-heads 4 --shapes 1x4096,32x2048,128x1024
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupa  # noqa: E402
+from cupa.bench.harness import Timer  # noqa: E402
+from cupa.bench.peers import sdpa_peer  # noqa: E402
+from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+
+THREADS = 128
+MODES = {"dense": 0, "paged": 1, "paged, ids early": 2}
+
+# The copies are cupa's: cp.async.cg of 16 bytes into shared memory, which hold no registers in
+# flight. A step is THREADS x PER units of K and as many of V (32 KB); a ring of three steps keeps
+# two to three in flight (cupa's ring: two chunks of 32 KB). Block ids are read a piece of THREADS
+# blocks at a time, the next piece's while the current one streams. A (block, KV head) is
+# 2^unit_shift 16-byte units.
+_FLOORS = r"""
+#define THREADS 128
+#define PER 8
+#define STAGES 3
+typedef unsigned int u32;
+
+__device__ __forceinline__ void copy_cg(uint4* dst, const uint4* src, bool valid) {
+    u32 shared;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(shared) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(shared), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Copies units [0, n) of a region, unit j from k + address(j) and v + address(j).
+template <typename Address>
+__device__ __forceinline__ void stream(uint4* ring, const uint4* k, const uint4* v, int n,
+                                       Address address) {
+    const int steps = (n + THREADS * PER - 1) / (THREADS * PER);
+    for (int s = 0; s < steps; ++s) {
+        uint4* stage = ring + (s % STAGES) * 2 * THREADS * PER;
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int j = (s * PER + u) * THREADS + threadIdx.x;
+            const bool valid = j < n;
+            const long long off = valid ? address(j) : 0;
+            copy_cg(stage + u * THREADS + threadIdx.x, k + off, valid);
+            copy_cg(stage + (PER + u) * THREADS + threadIdx.x, v + off, valid);
+        }
+        asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));  // step s - 2 has landed
+    }
+    asm volatile("cp.async.wait_group 0;");
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
+            const int* __restrict__ tables, const int* __restrict__ lens, int max_blocks,
+            int block_shift, int unit_shift, int row_units, int kv_heads, int capacity,
+            int partition, int mode) {
+    __shared__ int ids[THREADS];
+    extern __shared__ uint4 ring[];
+    const int part = blockIdx.x, head = blockIdx.y, seq = blockIdx.z, t = threadIdx.x;
+    const int start = part * partition;
+    const int first = start >> block_shift;
+    const int* row = tables + (long long)seq * max_blocks;
+    int next = 0;  // the block id this thread stages for the next piece
+    if (mode == 2 && first + t < max_blocks) next = row[first + t];
+    const int len = mode == 0 ? capacity : lens[seq];
+    const int end = min(len, start + partition);
+    if (start < end && mode == 0) {
+        const long long base = ((long long)(seq * kv_heads + head) * capacity + start) * row_units;
+        stream(ring, key + base, value + base, (end - start) * row_units,
+               [](int j) { return (long long)j; });
+    } else if (start < end) {
+        const int last = (end - 1) >> block_shift;  // the partition's last block, inclusive
+        if (mode == 1 && first + t <= last) next = row[first + t];
+        const int mask = (1 << unit_shift) - 1;
+        for (int b0 = first; b0 <= last; b0 += THREADS) {
+            __syncthreads();
+            ids[t] = next;
+            __syncthreads();
+            next = b0 + THREADS + t <= last ? row[b0 + THREADS + t] : 0;
+            const int blocks = min(THREADS, last + 1 - b0);
+            stream(ring, key, value, blocks << unit_shift, [&](int j) {
+                return ((long long)ids[j >> unit_shift] * kv_heads + head) * (mask + 1) +
+                       (j & mask);
+            });
+        }
+    }
+}
+
+// The read floor of docs/performance.md (tools/sweep_partitions.py --floors): loads, folded so
+// that they are kept.
+extern "C" __global__ void grid_stride_read(const uint4* a, const uint4* b, unsigned long long n,
+                                            u32* sink) {
+    u32 acc = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const uint4 x = a[i], y = b[i];
+        acc ^= x.x ^ x.y ^ x.z ^ x.w ^ y.x ^ y.y ^ y.z ^ y.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+"""
+
+
+def log2_exact(value: int, what: str) -> int:
+    """log2 of a power of two."""
+    shift = int(value).bit_length() - 1
+    if value <= 0 or 1 << shift != value:
+        raise ValueError(f"{what}: a power of two, got {value}")
+    return shift
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="1x4096,1x32768,8x4096,32x2048,128x1024,16x16384")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--per-sm", type=int, default=2, choices=(1, 2),
+                   help="workgroups of the floor kernels a multiprocessor holds")
+    add_problem_arguments(p)
+    args = p.parse_args()
+    import cupy
+    module = cupy.RawModule(code=_FLOORS, options=("-std=c++17",))
+    kernels = module.get_function("paged_floor"), module.get_function("grid_stride_read")
+    # Shared memory that lets per_sm workgroups share a multiprocessor's 228 KB, not one more
+    # (and holds the 96 KB ring).
+    args.shared_bytes = (220 // args.per_sm) << 10
+    kernels[0].max_dynamic_shared_size_bytes = args.shared_bytes
+    timer = Timer(cupy, args.iters)
+    rng = np.random.default_rng(0)
+    print("us, L2 flushed by writing, median of", args.iters, flush=True)
+    for text in args.shapes.split(","):
+        batch, seq_len = (int(x) for x in text.lower().split("x"))
+        floors_of_shape(cupy, kernels, timer, rng, batch, seq_len, args)
+
+
+def floors_of_shape(cupy, kernels, timer, rng, batch, seq_len, args):
+    """Prints one shape's line."""
+    floor_kernel, grid_stride = kernels
+    query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
+    out = cupy.empty_like(query)
+    plan = cupa.plan_decode(query, key, value, tables, lens, **options)
+    block_size = key.shape[2]
+    row_units = key.shape[3] * key.itemsize // 16
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    grid = (plan.max_partitions, key.shape[1], batch)
+    scalars = (np.int32(tables.shape[1]), np.int32(log2_exact(block_size, "block size")),
+               np.int32(log2_exact(row_units * block_size, "units of a block")),
+               np.int32(row_units), np.int32(key.shape[1]), np.int32(tables.shape[1] * block_size),
+               np.int32(plan.partition_size))
+    in_order = cupy.arange(tables.size, dtype=cupy.int32).reshape(tables.shape)
+    times = {}
+    runs = [(name, mode, tables) for name, mode in MODES.items()]
+    runs.append(("in order", MODES["paged, ids early"], in_order))
+    for name, mode, block_tables in runs:
+        times[name] = timer.median_us(lambda: floor_kernel(
+            grid, (THREADS,), (key, value, block_tables, lens) + scalars + (np.int32(mode),),
+            shared_mem=args.shared_bytes))
+    units = key.nbytes // 16
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    times["grid-stride read"] = timer.median_us(lambda: grid_stride(
+        (sms * 8,), (256,), (key, value, np.uint64(units), sink)))
+    for name, block_tables in (("cupa", tables), ("cupa in order", in_order)):
+        times[name] = timer.median_us(
+            lambda: cupa.decode(query, key, value, block_tables, lens, out=out, **options))
+    sdpa = sdpa_peer(cupy, query, key, value, cupy.asnumpy(tables), seq_len, args) \
+        if not args.kv_format and args.query_len == 1 else None
+    if sdpa is not None:
+        times["sdpa"] = timer.median_us(sdpa)
+    megabytes = 2 * key.nbytes / 1e6
+    row = "  ".join(f"{name} {us:.1f}" for name, us in times.items())
+    print(f"{batch}x{seq_len} ({megabytes:.0f} MB; {grid[0]} partitions of {plan.partition_size},"
+          f" {np.prod(grid)} workgroups; cupa {plan.kernel}, merge {plan.merge}): {row}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
