@@ -6,8 +6,8 @@ partitions. Every floor kernel runs cupa's grid of one workgroup of 128 threads 
 KV head, sequence), copies its K/V into shared memory as cupa's ring does (cp.async, two to
 three steps of 32 KB in flight), holds --per-sm workgroups a multiprocessor (by its shared
 memory, as cupa's ring sets cupa's: two for the 8-column and 16-row kernels at head 128), and
-does nothing else (no products, no merge, no output). They differ in what a workgroup must learn before its
-first K/V load:
+does nothing else (no products, no merge, no output). They differ in what a workgroup must
+learn before its first K/V load:
 
 - dense: nothing. Each (sequence, KV head) is one contiguous run of tokens, as SDPA's dense
   [B, Hkv, L, D] copy of the KV is (the same bytes, reinterpreted).
@@ -17,7 +17,8 @@ first K/V load:
 - in order: the same with every sequence's blocks in order (identity block tables), so that
   the shuffle's cost (DRAM locality) shows apart from the lookups'. cupa runs that way too.
 
-Next to them: the grid-stride read of the same bytes (the read floor of docs/performance.md),
+Next to them: the grid-stride read of the same bytes (the read floor of docs/performance.md,
+tools/sweep_partitions.py's),
 cupa's decode and SDPA on the dense copy, all timed as the bench times (L2 flushed by writing,
 median of --iters), in one process.
 
@@ -37,9 +38,12 @@ import cupa  # noqa: E402
 from cupa.bench.harness import Timer  # noqa: E402
 from cupa.bench.peers import sdpa_peer  # noqa: E402
 from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+from sweep_partitions import stream_read  # noqa: E402
 
 THREADS = 128
 MODES = {"dense": 0, "paged": 1, "paged, ids early": 2}
+RING_BYTES = 3 * 2 * THREADS * 8 * 16  # the kernel's STAGES x (K, V) x THREADS x PER x 16 bytes
+SM_SHARED_KB = 228  # a multiprocessor's shared memory (sm_90), 1 KB of it each workgroup's own
 
 # The copies are cupa's: cp.async.cg of 16 bytes into shared memory, which hold no registers in
 # flight. A step is THREADS x PER units of K and as many of V (32 KB); a ring of three steps keeps
@@ -116,19 +120,6 @@ paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
         }
     }
 }
-
-// The read floor of docs/performance.md (tools/sweep_partitions.py --floors): loads, folded so
-// that they are kept.
-extern "C" __global__ void grid_stride_read(const uint4* a, const uint4* b, unsigned long long n,
-                                            u32* sink) {
-    u32 acc = 0;
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        const uint4 x = a[i], y = b[i];
-        acc ^= x.x ^ x.y ^ x.z ^ x.w ^ y.x ^ y.y ^ y.z ^ y.w;
-    }
-    if (acc == 0x9e3779b9u) sink[0] = acc;
-}
 """
 
 
@@ -138,6 +129,15 @@ def log2_exact(value: int, what: str) -> int:
     if value <= 0 or 1 << shift != value:
         raise ValueError(f"{what}: a power of two, got {value}")
     return shift
+
+
+def shared_bytes(per_sm: int) -> int:
+    """The dynamic shared memory of a floor workgroup that lets per_sm of them share a
+    multiprocessor and not one more (it holds the ring)."""
+    nbytes = (SM_SHARED_KB - 8) // per_sm << 10
+    if nbytes < RING_BYTES:
+        raise ValueError(f"per_sm: at most {(SM_SHARED_KB - 8) * 1024 // RING_BYTES}, got {per_sm}")
+    return nbytes
 
 
 def main():
@@ -150,28 +150,24 @@ def main():
     args = p.parse_args()
     import cupy
     module = cupy.RawModule(code=_FLOORS, options=("-std=c++17",))
-    kernels = module.get_function("paged_floor"), module.get_function("grid_stride_read")
-    # Shared memory that lets per_sm workgroups share a multiprocessor's 228 KB, not one more
-    # (and holds the 96 KB ring).
-    args.shared_bytes = (220 // args.per_sm) << 10
-    kernels[0].max_dynamic_shared_size_bytes = args.shared_bytes
+    floor_kernel = module.get_function("paged_floor")
+    args.shared_bytes = shared_bytes(args.per_sm)
+    floor_kernel.max_dynamic_shared_size_bytes = args.shared_bytes
     timer = Timer(cupy, args.iters)
     rng = np.random.default_rng(0)
     print("us, L2 flushed by writing, median of", args.iters, flush=True)
     for text in args.shapes.split(","):
         batch, seq_len = (int(x) for x in text.lower().split("x"))
-        floors_of_shape(cupy, kernels, timer, rng, batch, seq_len, args)
+        floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args)
 
 
-def floors_of_shape(cupy, kernels, timer, rng, batch, seq_len, args):
+def floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args):
     """Prints one shape's line."""
-    floor_kernel, grid_stride = kernels
     query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
     out = cupy.empty_like(query)
     plan = cupa.plan_decode(query, key, value, tables, lens, **options)
     block_size = key.shape[2]
     row_units = key.shape[3] * key.itemsize // 16
-    sink = cupy.zeros(1, dtype=cupy.uint32)
     grid = (plan.max_partitions, key.shape[1], batch)
     scalars = (np.int32(tables.shape[1]), np.int32(log2_exact(block_size, "block size")),
                np.int32(log2_exact(row_units * block_size, "units of a block")),
@@ -185,10 +181,7 @@ def floors_of_shape(cupy, kernels, timer, rng, batch, seq_len, args):
         times[name] = timer.median_us(lambda: floor_kernel(
             grid, (THREADS,), (key, value, block_tables, lens) + scalars + (np.int32(mode),),
             shared_mem=args.shared_bytes))
-    units = key.nbytes // 16
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    times["grid-stride read"] = timer.median_us(lambda: grid_stride(
-        (sms * 8,), (256,), (key, value, np.uint64(units), sink)))
+    times["grid-stride read"] = timer.median_us(lambda: stream_read(cupy, key, value))
     for name, block_tables in (("cupa", tables), ("cupa in order", in_order)):
         times[name] = timer.median_us(
             lambda: cupa.decode(query, key, value, block_tables, lens, out=out, **options))

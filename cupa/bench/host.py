@@ -1,10 +1,11 @@
 """Host (Python) cost per call of cupa's entry points, beside the floor it is measured against.
 
 The floor L is one bare cupy `RawKernel` launch of an empty kernel with as many arguments as the
-decode kernel (14 pointers, 17 scalars: CUPA_PARTITION_PARAMS), timed the same way in the same process: host timings
-move 1.7x between machines, ratios to L much less. Every figure is host wall time per call of
-calls enqueued back to back on device arrays, with the GPU kept from being the bottleneck (the
-problems are small, and the host clock stops before the final synchronisation).
+decode kernel (CUPA_PARTITION_PARAMS: 14 pointers, 17 scalars), timed the same way in the same
+process: host timings move 1.7x between machines, ratios to L much less. Every figure is host
+wall time per call of calls enqueued back to back on device arrays, with the GPU kept from being
+the bottleneck (the problems are small, and the host clock stops before the final
+synchronisation).
 """
 
 from __future__ import annotations
