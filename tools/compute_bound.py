@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 
 import cupa  # noqa: E402
 from cupa.bench.harness import Timer  # noqa: E402
-from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+from decode_problem import add_problem_arguments, batch_shapes, decode_problem  # noqa: E402
 
 
 def main():
@@ -29,8 +29,7 @@ def main():
     import cupy
     rng = np.random.default_rng(0)
     timer = Timer(cupy, args.iters)
-    for text in args.shapes.split(","):
-        batch, seq_len = (int(x) for x in text.lower().split("x"))
+    for batch, seq_len in batch_shapes(args.shapes):
         query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
         out = cupy.empty_like(query)
 

@@ -20,6 +20,17 @@ def add_problem_arguments(parser):
     parser.add_argument("--kv-format", default=None, help="fp8_e4m3 or fp8_e4m3fnuz")
 
 
+def batch_shapes(text: str) -> list:
+    """'1x4096,128x1024' -> [(1, 4096), (128, 1024)]: the tools' --shapes."""
+    shapes = []
+    for shape in text.split(","):
+        parsed = tuple(int(x) for x in shape.lower().split("x"))
+        if len(parsed) != 2:
+            raise ValueError(f"--shapes: BATCHxSEQ_LEN, got {shape!r}")
+        shapes.append(parsed)
+    return shapes
+
+
 def decode_problem(cupy, rng, batch, seq_len, args):
     """(query, key, value, block_tables, seq_lens, options): the arrays plus the keyword arguments
     cupa.decode needs for them (query_start_loc, kv_format and scales, max_seq_len)."""

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupa  # noqa: E402
 from cupa.bench.harness import Timer  # noqa: E402
 from cupa.bench.peers import sdpa_peer  # noqa: E402
-from decode_problem import add_problem_arguments, decode_problem  # noqa: E402
+from decode_problem import add_problem_arguments, batch_shapes, decode_problem  # noqa: E402
 from sweep_partitions import stream_read  # noqa: E402
 
 THREADS = 128
@@ -156,8 +156,7 @@ def main():
     timer = Timer(cupy, args.iters)
     rng = np.random.default_rng(0)
     print("us, L2 flushed by writing, median of", args.iters, flush=True)
-    for text in args.shapes.split(","):
-        batch, seq_len = (int(x) for x in text.lower().split("x"))
+    for batch, seq_len in batch_shapes(args.shapes):
         floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args)
 
 

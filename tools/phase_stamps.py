@@ -139,15 +139,14 @@ def main():
     import cupy
     record_modules(cupy)
     import cupa
-    from decode_problem import add_problem_arguments
+    from decode_problem import add_problem_arguments, batch_shapes
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_problem_arguments(parser)
     parser.add_argument("--shapes", default="128x1024",
                         help="batch x sequence length, comma-separated")
     parser.add_argument("--save", default=None, help="a folder for each shape's stamp rows")
     args = parser.parse_args()
-    for shape in args.shapes.split(","):
-        batch, seq_len = (int(x) for x in shape.split("x"))
+    for batch, seq_len in batch_shapes(args.shapes):
         measure(cupy, cupa, batch, seq_len, args)
 
 

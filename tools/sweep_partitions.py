@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupa  # noqa: E402
 from cupa.bench.main import DEFAULT_SHAPES
 from cupa.bench.harness import Timer  # noqa: E402
-from decode_problem import FP8_SCALE, add_problem_arguments, decode_problem  # noqa: E402
+from decode_problem import (FP8_SCALE, add_problem_arguments, batch_shapes,  # noqa: E402
+                            decode_problem)
 
 
 _READ = r"""
@@ -70,8 +71,7 @@ def main():
     rng = np.random.default_rng(0)
     timer = Timer(cupy, args.iters)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    for text in args.shapes.split(","):
-        batch, seq_len = (int(x) for x in text.lower().split("x"))
+    for batch, seq_len in batch_shapes(args.shapes):
         sweep_shape(cupy, timer, rng, batch, seq_len, sizes, args)
 
 
