@@ -2,8 +2,9 @@
 
 A planner or kernel-form experiment is an A/B within one process: both forms are planned on the
 same arrays, then timed in alternating order (A, B, then B, A, ...), so that a drift of the
-machine during the run lands on both. Timings as in `python -m cupa bench` (L2 flushed by
-writing, median of --iters launches); each round's figure is printed, and the medians' ratio.
+machine during the run lands on both. Timings as in `python -m cupa bench` (L2 flushed before
+each launch, by writing unless --flush read; median of --iters launches); each round's figure
+is printed, and the medians' ratio.
 The two forms' outputs are compared too (relative difference), which shows whether the forms
 computed the same chunks in the same order (0) or not.
 
@@ -15,7 +16,7 @@ A shape is BxL or the name of one of the bench's ragged batches (cupa.bench.ragg
 both length hints as in the bench.
 
 A side is one or more comma-separated NAME=VALUE assignments of the switches read by
-cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_STAGGER,
+cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE, CUPA_STAGGER,
 CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1); NAME= unsets one. CUPA_PARTITION_SIZE=N is the
 tool's own: that side's plan takes N-token partitions. Compile options compare the same way: a
 plan compiles its kernels when it is made, with CUPA_EXTRA_OPTIONS as they are then, and cupa
@@ -67,13 +68,15 @@ def main():
     add_problem_arguments(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--flush", choices=("read", "write"), default="write",
+                   help="how L2 is flushed before each timed launch (as the bench's --flush)")
     args = p.parse_args()
     sides = (parse_side(args.a), parse_side(args.b))
 
     import cupy
     from cupa.bench.harness import Timer
     from cupa.gpu import dispatch
-    timer = Timer(cupy, args.iters)
+    timer = Timer(cupy, args.iters, args.flush)
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         if shape in RAGGED_BATCHES:

@@ -18,7 +18,8 @@ from ..problem import FP8_QUERY_DTYPES, SUPPORTED_HEAD_SIZES
 
 KERNEL_DIR = Path(__file__).parent.parent / "kernels"
 
-# Threads per workgroup of every decode kernel (2 wavefronts on CDNA, 4 warps elsewhere).
+# Threads per workgroup of every decode kernel (2 wavefronts on CDNA, 4 warps elsewhere), but
+# the wide forms (WIDE_RING). A module's CUPA_THREADS is its variant's (module_defines).
 THREADS = 128
 
 # Storage type of each dtype as the kernels name it, and the short tag used in kernel names.
@@ -92,6 +93,8 @@ class _TwoPhase:
     `source_file`, `entry_names` and `instantiations()`.
     """
 
+    threads = THREADS  # per workgroup, of both kernels (a wide form has its own)
+
     @property
     def tag(self) -> str:
         """Query dtype tag, plus the cache kind's (kv8: software fp8, kv8fn: hardware e4m3)."""
@@ -159,7 +162,8 @@ class DecodeMmaVariant(_TwoPhase):
 
     heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
     of one m-tile per warp (9-64 rows, and chunks of 64 of more). dense: the 8-column kernel's
-    dense form (DENSE_RING), for the (cache, head size) pairs of DENSE_KINDS.
+    dense form (DENSE_RING), for the (cache, head size) pairs of DENSE_KINDS. wide: either
+    kernel's wide form (WIDE_RING), at WIDE_HEAD_SIZES from WIDE_MIN_SM.
     """
 
     dtype: str
@@ -167,6 +171,7 @@ class DecodeMmaVariant(_TwoPhase):
     heads: int
     cache: str | None = None
     dense: bool = False
+    wide: bool = False
     source_file = "decode_mma.cu"
     # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
     # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
@@ -187,10 +192,21 @@ class DecodeMmaVariant(_TwoPhase):
         return 2 if self.cache and self.head_size == 128 and not self.dense else 1
 
     @property
+    def threads(self) -> int:
+        """Threads per workgroup: the wide form's, or every decode kernel's."""
+        return WIDE_RING["threads"] if self.wide else THREADS
+
+    @property
+    def min_sm(self) -> int:
+        """The first sm the variant exists for: the wide form's ring needs sm_90's shared
+        memory."""
+        return WIDE_MIN_SM if self.wide else NVIDIA_ONLY_FAMILIES["decode_mma"]
+
+    @property
     def ring_stages(self) -> int:
-        """The stages the kernel's ring is given (KvRing's DENSE_STAGES): the dense form's, or
-        0 for the rule of KvRing (see shared_bytes)."""
-        return DENSE_RING["stages"] if self.dense else 0
+        """The stages the kernel's ring is given (KvRing's DENSE_STAGES or CUPA_RING_STAGES):
+        the dense or wide form's, or 0 for the rule of KvRing (see shared_bytes)."""
+        return DENSE_RING["stages"] if self.dense else WIDE_RING["stages"] if self.wide else 0
 
     @property
     def shared_bytes(self) -> int:
@@ -199,22 +215,22 @@ class DecodeMmaVariant(_TwoPhase):
         >= 32 KB, 3 when >= 16 KB, else 4, or ring_stages; then twice as many slots of a chunk's
         int32 block ids), which the warps' merge buffer reuses. The kernel traps if given
         less."""
-        chunk = 16 * (THREADS // 32) * self.warp_steps
+        chunk = 16 * (self.threads // 32) * self.warp_steps
         kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
         stages = self.ring_stages or (2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
-        merge = (THREADS // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
+        merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
         return max(ring, merge)
 
     @property
     def rows(self) -> int:
-        """Query rows per workgroup: 8 columns, or a 16-row tile for each of the 4 warps."""
-        return 8 if self.heads == 8 else 16 * (THREADS // 32)
+        """Query rows per workgroup: 8 columns, or a 16-row tile for each warp."""
+        return 8 if self.heads == 8 else 16 * (self.threads // 32)
 
     @property
     def partition_name(self) -> str:
-        dense = "_dense" if self.dense else ""
-        return f"cupa_decode_mma{self.heads}_{self.tag}_d{self.head_size}{dense}"
+        form = "_dense" if self.dense else "_wide" if self.wide else ""
+        return f"cupa_decode_mma{self.heads}_{self.tag}_d{self.head_size}{form}"
 
     def instantiations(self) -> list[str]:
         ctype = DTYPES[self.dtype][1]
@@ -245,6 +261,14 @@ MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non
 # dispatch.dense_form's business.
 DENSE_RING = {"stages": 3, "workgroups": 4}
 DENSE_KINDS = ((None, 64), (FP8_E4M3_NATIVE, 128))
+# The wide form of both tensor-core kernels at head 128: workgroups of 8 warps, one a
+# multiprocessor, with a ring of 3 stages of 128-token chunks (256 for fp8): 195-198 KB, so
+# sm_90's 227 KB a workgroup (WIDE_MIN_SM; sm_80 gives 163). Twice the warps of the default
+# form's workgroup and 128 KB in flight, without a second workgroup's merge and prologue. When
+# it serves is dispatch.wide_form's and the planner's business (docs/perf-log.md v36).
+WIDE_RING = {"threads": 256, "stages": 3}
+WIDE_HEAD_SIZES = (128,)
+WIDE_MIN_SM = 90
 
 
 def all_decode_variants() -> list[DecodeVariant]:
@@ -261,7 +285,9 @@ def all_mma_variants() -> list[DecodeMmaVariant]:
              if h == 8 or d in MMA16_HEAD_SIZES]
     dense = [DecodeMmaVariant(dtype, d, 8, cache, dense=True) for dtype in MMA_DTYPES
              for cache, d in DENSE_KINDS]
-    return plain + dense
+    wide = [DecodeMmaVariant(v.dtype, v.head_size, v.heads, v.cache, wide=True) for v in plain
+            if v.head_size in WIDE_HEAD_SIZES]
+    return plain + dense + wide
 
 
 # AMD matrix cores (decode_matrix.cu): the processors with a 16x16x16 f16/bf16 instruction of
@@ -369,27 +395,31 @@ def expanded_source(filename: str) -> str:
     return expand(KERNEL_DIR / filename)
 
 
+def module_defines(variant) -> tuple:
+    """The compile-time constants of a variant's module, (name, value) pairs defined at the top
+    of its source: the workgroup's threads (CUPA_THREADS), and a wide form's ring stages
+    (CUPA_RING_STAGES; 0: KvRing's rule)."""
+    return (("CUPA_THREADS", getattr(variant, "threads", THREADS)),
+            ("CUPA_RING_STAGES", WIDE_RING["stages"] if getattr(variant, "wide", False) else 0))
+
+
 def module_source(variant) -> str:
     """Self-contained source of the module holding one variant (of any kernel family)."""
     return batch_source([variant])
 
 
 def batch_source(group) -> str:
-    """One source instantiating every variant of `group` (all of one source file), each entry
-    point once (variants of a dtype share their reduce kernel)."""
+    """One source instantiating every variant of `group` (all of one source file and one set of
+    module_defines), each entry point once (variants of a dtype share their reduce kernel)."""
     files = {v.source_file for v in group}
     if len(files) != 1:
         raise ValueError(f"a batch must come from one source file, got {sorted(files)}")
+    defines = {module_defines(v) for v in group}
+    if len(defines) != 1:
+        raise ValueError(f"a batch must share its module defines, got {sorted(defines)}")
+    prelude = "".join(f"#define {name} {value}\n" for name, value in defines.pop())
     lines = list(dict.fromkeys(line for v in group for line in v.instantiations()))
-    return expanded_source(files.pop()) + "\n" + "\n".join(lines) + "\n"
-
-
-def offline_batches(arch: str, size: int = 32) -> list[list]:
-    """The variants for `arch` in batches of one source file and dtype, for the offline check."""
-    groups: dict = {}
-    for v in all_variants(arch):
-        groups.setdefault((v.source_file, getattr(v, "dtype", "")), []).append(v)
-    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
+    return prelude + expanded_source(files.pop()) + "\n" + "\n".join(lines) + "\n"
 
 
 # Kernel families register a function listing all their variants, for the offline compile check.
@@ -407,7 +437,8 @@ def all_variants(arch: str | None = None) -> list:
         if arch is None:
             return True
         if name in NVIDIA_ONLY_FAMILIES:
-            return not arch.startswith("gfx") and sm_number(arch) >= NVIDIA_ONLY_FAMILIES[name]
+            first = getattr(variant, "min_sm", NVIDIA_ONLY_FAMILIES[name])
+            return not arch.startswith("gfx") and sm_number(arch) >= first
         if name in AMD_MATRIX_FAMILIES:
             return matrix_variant_exists(variant, arch)
         return True

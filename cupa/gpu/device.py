@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from .. import platform
 from ..arrays import cupy_module
-from . import catalogue
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,8 @@ class Target:
         return self.is_hip and not self.emulated
 
     def defines(self) -> list[str]:
-        defines = [f"-DCUPA_WARP={self.warp_size}", f"-DCUPA_HIP={int(self.compiles_with_hiprtc)}",
-                   f"-DCUPA_THREADS={catalogue.THREADS}"]
+        # CUPA_THREADS is the variant's, defined in its source (catalogue.module_defines).
+        defines = [f"-DCUPA_WARP={self.warp_size}", f"-DCUPA_HIP={int(self.compiles_with_hiprtc)}"]
         if self.emulated:
             defines += ["-DCUPA_EMULATE_AMD=1", f"-DCUPA_EMULATE_GFX=0x{self.arch[3:]}"]
         return defines

@@ -2,10 +2,11 @@
 are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; this says when
 each is used.
 
-The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_STAGGER,
-CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are read once, at
-first use; code that changes them within a process calls `reload_switches()` afterwards, or
-sets them with `set_switches()` (plans made before keep what they were made with).
+The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE,
+CUPA_STAGGER, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are
+read once, at first use; code that changes them within a process calls `reload_switches()`
+afterwards, or sets them with `set_switches()` (plans made before keep what they were made
+with).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 
 from .catalogue import (DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE,
                         MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES,
-                        MMA_DTYPES, MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, DecodeMatrixVariant,
-                        DecodeMmaVariant, DecodeVariant, amd_native_fp8, head_tile,
-                        matrix_core_family, matrix_tiles, sm_number)
+                        MMA_DTYPES, MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, WIDE_HEAD_SIZES,
+                        WIDE_MIN_SM, DecodeMatrixVariant, DecodeMmaVariant, DecodeVariant,
+                        amd_native_fp8, head_tile, matrix_core_family, matrix_tiles, sm_number)
 
 MMA_MIN_SM = NVIDIA_ONLY_FAMILIES["decode_mma"]
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
@@ -93,6 +94,20 @@ DENSE_MIN_SM = 90
 DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
 # CUPA_DENSE: auto (the rule above), always (wherever the dense form exists) or never.
 DENSE_FORMS = ("auto", "always", "never")
+# The wide form of the tensor-core kernels (catalogue.WIDE_RING: 8 warps, one workgroup a
+# multiprocessor, 3 stages of 128-token chunks) for query rows that fit one tile of 16, where
+# the planner's partitions for it are long and its grid is one wave (planner.make_plan).
+# H200, planner's choice, default -> wide form, in us (docs/perf-log.md v36):
+#   partitions of 8192 or more: GQA 8 16 x 16384 258.0 -> 256.0 (one partition of 16384
+#   instead of cluster pairs of 8192), 4 x 32768 142.0 -> 140.4 (8192 x 4 instead of 4096 x 8);
+#   fp8 16 x 16384 141.7 -> 139.9; group 16 16 x 16384 143.7 -> 140.0 (pairs of 8192 both);
+#   bf16 16 x 16384 257.8 -> 256.1;
+#   shorter ones lose: group 16 8 x 16384 (4096 x 4) 82.4 -> 83.1, fp8 8 x 4096 (2048 x 2)
+#   31.1 -> 32.0, GQA 8 1 x 4096 16.4 -> 17.2; 1 x 32768 (2048 x 16) level; grids of more
+#   than one wave a lot: GQA 8 32 x 2048 76.7 -> 80.2, group 16 128 x 1024 81.2 -> 91.9.
+WIDE_MIN_PARTITION_TOKENS = 8192
+# CUPA_WIDE: auto (the rule above), always (wherever the wide form exists) or never.
+WIDE_FORMS = ("auto", "always", "never")
 # CUPA_STAGGER: auto (planner.first_wave_stagger) or never.
 STAGGER_FORMS = ("auto", "never")
 
@@ -106,6 +121,7 @@ class Switches:
     merge: str = "auto"           # CUPA_MERGE: auto, cluster (wherever possible) or reduce
     row_chunks: str = "auto"      # CUPA_ROW_CHUNKS: auto, always or never (ROW_CHUNK_FORMS)
     dense: str = "auto"           # CUPA_DENSE: auto, always or never (DENSE_FORMS)
+    wide: str = "auto"            # CUPA_WIDE: auto, always or never (WIDE_FORMS)
     stagger: str = "auto"         # CUPA_STAGGER: auto or never (STAGGER_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
     chained_phase1: bool = True   # CUPA_CHAINED_PHASE1=0: ordinary phase-1 launches
@@ -126,6 +142,7 @@ def switches() -> Switches:
                     merge=_form("CUPA_MERGE", MERGE_FORMS),
                     row_chunks=_form("CUPA_ROW_CHUNKS", ROW_CHUNK_FORMS),
                     dense=_form("CUPA_DENSE", DENSE_FORMS),
+                    wide=_form("CUPA_WIDE", WIDE_FORMS),
                     stagger=_form("CUPA_STAGGER", STAGGER_FORMS),
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0",
                     chained_phase1=os.environ.get("CUPA_CHAINED_PHASE1", "1") != "0")
@@ -184,6 +201,8 @@ def merges_in_cluster(variant, arch: str, max_partitions: int, head_chunks: int 
     (v27)."""
     planned = planned if head_chunks == 1 else 1
     largest = {"auto": planned, "cluster": MAX_CLUSTER, "reduce": 1}[switches().merge]
+    if getattr(variant, "wide", False):  # a workgroup a multiprocessor: only the planned pairs
+        largest = min(largest, PLANNED_CLUSTER)
     return (isinstance(variant, DecodeMmaVariant) and sm_number(arch) >= CLUSTER_MERGE_MIN_SM
             and 1 < max_partitions <= largest)
 
@@ -222,6 +241,18 @@ def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
                            workgroups < DENSE_FROM_WORKGROUPS_PER_SM[kind] * multiprocessors):
         return None
     return DecodeMmaVariant(variant.dtype, variant.head_size, 8, variant.cache, dense=True)
+
+
+def wide_form(variant, rows: int, arch: str):
+    """The wide form of `variant` for `rows` query rows per KV head if it exists on this target
+    and the switch allows it (CUPA_WIDE), else None. Whether a launch runs on it is the
+    planner's rule (WIDE_MIN_PARTITION_TOKENS), unless the switch says always."""
+    if not (isinstance(variant, DecodeMmaVariant) and not variant.dense and not variant.wide
+            and variant.head_size in WIDE_HEAD_SIZES and rows <= 16
+            and sm_number(arch) >= WIDE_MIN_SM and switches().wide != "never"):
+        return None
+    return DecodeMmaVariant(variant.dtype, variant.head_size, variant.heads, variant.cache,
+                            wide=True)
 
 
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",

@@ -87,7 +87,7 @@ class DecodeLaunch:
                    i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
                    i32(plan.cluster_merge), i32(plan.all_ids_early),
                    i32(info.multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns))
-        block = (catalogue.THREADS, 1, 1)
+        block = (plan.variant.threads, 1, 1)  # both kernels of the variant's module
         self.empty = shape.num_seqs == 0
         self.workspace_bytes, self._max_offset, self._sum_offset = workspace_bytes(plan, shape)
         # Chained launches (sm_90): the reduce starts during phase 1's last wave, and phase 1

@@ -37,10 +37,10 @@ def resident_workgroups(variant, info) -> int | None:
     measured) and where the runtime does not report shared memory per multiprocessor."""
     if not getattr(variant, "shared_bytes", 0) or info.shared_memory_per_sm <= 0:
         return None
-    from . import catalogue, compiler
+    from . import compiler
     kernel = compiler.kernels(variant, info.index)[variant.partition_name]
     shared = variant.shared_bytes + int(kernel.shared_size_bytes)  # dynamic + static
-    return workgroups_per_sm(int(kernel.num_regs), shared, catalogue.THREADS,
+    return workgroups_per_sm(int(kernel.num_regs), shared, variant.threads,
                              registers_per_sm=info.registers_per_sm,
                              shared_per_sm=info.shared_memory_per_sm,
                              reserved_shared=info.reserved_shared_per_block,

@@ -167,10 +167,12 @@ def representative_variants(arch: str) -> list:
 
 
 def variant_batches(variants: list, size: int = 32) -> list[list]:
-    """`variants` in batches of one source file and dtype (one compiler run each)."""
+    """`variants` in batches of one source file, dtype and set of module defines (one compiler
+    run each; catalogue.batch_source)."""
     groups: dict = {}
     for v in variants:
-        groups.setdefault((v.source_file, getattr(v, "dtype", "")), []).append(v)
+        key = (v.source_file, getattr(v, "dtype", ""), catalogue.module_defines(v))
+        groups.setdefault(key, []).append(v)
     return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 

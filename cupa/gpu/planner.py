@@ -171,6 +171,19 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
             partition_size = _planned_partition_size(shape, variant, rows, head_chunks,
                                                      multiprocessors, arch, longest, fill,
                                                      residency)
+    # The wide form where its own plan is one wave of long partitions (or where forced).
+    wide = dispatch.wide_form(variant, rows, arch) if head_chunks == 1 else None
+    if wide is not None:
+        forced = dispatch.switches().wide == "always"
+        if forced or (fill >= NEARLY_UNIFORM_FILL and per_seq * shape.num_seqs <= multiprocessors
+                      and longest >= dispatch.WIDE_MIN_PARTITION_TOKENS):
+            wide_size = (_planned_partition_size(shape, wide, rows, head_chunks, multiprocessors,
+                                                 arch, longest, fill, residency)
+                         if planned else partition_size)
+            grid = shape.num_seqs * per_seq * -(-capacity // wide_size)
+            if forced or (grid <= multiprocessors
+                          and min(wide_size, longest) >= dispatch.WIDE_MIN_PARTITION_TOKENS):
+                variant, partition_size = wide, wide_size
     max_partitions = -(-capacity // partition_size)
     if max_partitions == 1:
         partition_size = capacity

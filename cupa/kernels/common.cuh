@@ -9,7 +9,8 @@
 //   CUPA_WARP     threads per warp/wavefront (32 on NVIDIA and RDNA, 64 on CDNA). warpSize is
 //                 not a compile-time constant on ROCm 7, so we never use it.
 //   CUPA_HIP      1 when compiling for AMD, 0 for NVIDIA.
-//   CUPA_THREADS  threads per workgroup of the decode kernels.
+//   CUPA_THREADS  threads per workgroup of the decode kernels: 128, or 256 in the tensor-core
+//                 kernels' wide forms (defined at the top of a variant's module source).
 //   CUPA_EMULATE_AMD, CUPA_EMULATE_GFX  (optional) the emulated AMD build: see amd_emulation.cuh.
 #pragma once
 

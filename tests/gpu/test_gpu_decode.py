@@ -39,7 +39,10 @@ KERNEL_MODES = {"auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DE
                 "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always",
                                    CUPA_DENSE="never"),
                 # The dense form of the 8-column kernel (dispatch.dense_form) on any grid.
-                "dense": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="always")}
+                "dense": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="always"),
+                # The wide form of either tensor-core kernel (dispatch.wide_form) on any grid.
+                "wide": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never", CUPA_DENSE="never",
+                             CUPA_WIDE="always")}
 
 
 def kernel_modes(case, kv_format=None):
@@ -48,9 +51,10 @@ def kernel_modes(case, kv_format=None):
     'auto' picks it or 8-row chunks of the 8-column kernel by the problem's size: both are
     checked in its place. Where the 8-column kernel has a dense form (catalogue.DENSE_KINDS, for
     the case's cache: 16-bit, or kv_format's fp8 codes), 'auto' picks it or the default form by
-    the grid's size: both are checked. CUPA_TEST_KERNEL_MODES=auto checks 'auto' alone
-    (tools/device_run.sh emulated: its portable pairs cover the portable kernel). Names for
-    KERNEL_MODES."""
+    the grid's size: both are checked, and so is the wide form where one exists (head 128, up
+    to 16 rows, sm_90), which 'auto' picks for long partitions. CUPA_TEST_KERNEL_MODES=auto
+    checks 'auto' alone (tools/device_run.sh emulated: its portable pairs cover the portable
+    kernel). Names for KERNEL_MODES."""
     if os.environ.get("CUPA_TEST_KERNEL_MODES") == "auto":
         return ("auto",)
     from cupa.gpu.device import device_info
@@ -63,10 +67,12 @@ def kernel_modes(case, kv_format=None):
     mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
     eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
     dense = ("dense",) if mma and (eight.cache, head_size) in catalogue.DENSE_KINDS else ()
+    own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
+    wide = ("wide",) if mma and dispatch.wide_form(own, rows, arch) is not None else ()
     if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
-        return ("16-row", "row-chunks", *dense, "portable")
+        return ("16-row", "row-chunks", *dense, *wide, "portable")
     if mma:
-        return ("auto", *dense, "portable")
+        return ("auto", *dense, *wide, "portable")
     return ("auto", "portable") if dispatch.matrix_eligible(dtype, head_size, arch) else ("auto",)
 
 

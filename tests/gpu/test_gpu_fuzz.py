@@ -51,6 +51,7 @@ class Draw:
     merge: str
     kernel: str
     dense: str  # CUPA_DENSE
+    wide: str  # CUPA_WIDE
     host_arrays: bool
     form: str  # "decode", "plan" or "graph"
     seed: int
@@ -92,7 +93,8 @@ def draw(rng) -> Draw:
                 kernel=str(rng.choice(["auto", "portable"])),
                 dense=str(rng.choice(["auto", "always"])), host_arrays=rng.random() < 0.2,
                 form=str(rng.choice(["decode", "plan", "graph"], p=[0.6, 0.3, 0.1])),
-                seed=int(rng.integers(2**31)))
+                seed=int(rng.integers(2**31)),
+                wide=str(rng.choice(["auto", "always"])))  # drawn last: earlier draws unchanged
 
 
 def run_draw(d: Draw):
@@ -118,7 +120,7 @@ def run_draw(d: Draw):
     args = [move(x) for x in (q, k, v, tables, lens)]
     device_options = case.options(move)
     lse = None
-    with environ(CUPA_KERNEL=d.kernel, CUPA_MERGE=d.merge, CUPA_DENSE=d.dense):
+    with environ(CUPA_KERNEL=d.kernel, CUPA_MERGE=d.merge, CUPA_DENSE=d.dense, CUPA_WIDE=d.wide):
         if d.form == "decode":  # into a poisoned `out` (decode's own lse is not poisoned)
             out = cupa.decode(*args, **device_options, **fp8, partition_size=d.partition_size,
                               out=move(np.full(q.shape, np.nan, q.dtype)))

@@ -208,7 +208,7 @@ def rel_error(out, ref) -> float:
 @contextlib.contextmanager
 def environ(**values):
     """Environment variables set for the block and restored after it; the dispatch switches
-    (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_CHAINED_REDUCE,
+    (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE, CUPA_CHAINED_REDUCE,
     CUPA_CHAINED_PHASE1) are read again on entry and on exit."""
     from cupa.gpu import dispatch
     saved = {name: os.environ.get(name) for name in values}

@@ -179,24 +179,33 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
     """catalogue.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory and
     steps per warp (the planner and the launch use them), the catalogue the largest cluster and
     validation the block sizes a cache may have; the kernel source states them again (KvRing,
-    mma_shared_bytes). NVRTC checks that both say the same, for every variant (NVIDIA only:
-    these kernels do not exist for HIP)."""
+    mma_shared_bytes). NVRTC checks that both say the same, for every variant, each in a module
+    of its own defines (catalogue.module_defines: the wide forms' threads and ring stages;
+    NVIDIA only: these kernels do not exist for HIP)."""
     require_compilers([nvrtc_missing()])
-    mma = catalogue.all_mma_variants()
-    checks = []
-    for v in mma:
-        cache = catalogue._cache_type(v.dtype, v.cache)
-        checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, {v.heads}, "
-                   f"{v.ring_stages}>() == {v.shared_bytes}, \"{v.partition_name}: shared "
-                   f"bytes\");",
-                   f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {v.ring_stages}>::"
-                   f"WARP_STEPS == {v.warp_steps}, \"{v.partition_name}: steps per warp\");",
-                   f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
-                   f"{max(SUPPORTED_BLOCK_SIZES)}, \"{v.partition_name}: block sizes\");"]
-    checks.append(f"static_assert(cupa::MAX_CLUSTER == {catalogue.MAX_CLUSTER}, "
-                  "\"cluster size\");")
-    source = catalogue.batch_source(mma[:1]) + "\n".join(checks) + "\n"
-    assert offline._compile_nvrtc(source, "ring_layout", Target("sm_90")) > 0
+    modules: dict = {}
+    for v in catalogue.all_mma_variants():
+        modules.setdefault(catalogue.module_defines(v), []).append(v)
+    assert len(modules) == 2  # the default forms' and the wide forms'
+    for mma in modules.values():
+        checks = []
+        for v in mma:
+            cache = catalogue._cache_type(v.dtype, v.cache)
+            dense = v.ring_stages if v.dense else 0  # KvRing's DENSE_STAGES
+            checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, "
+                       f"{v.heads}, {dense}>() == {v.shared_bytes}, \"{v.partition_name}: "
+                       f"shared bytes\");",
+                       f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {dense}>::"
+                       f"WARP_STEPS == {v.warp_steps}, \"{v.partition_name}: steps per warp\");",
+                       f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
+                       f"{max(SUPPORTED_BLOCK_SIZES)}, \"{v.partition_name}: block sizes\");"]
+            if v.ring_stages:  # the dense or wide form's own
+                checks.append(f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {dense}>::"
+                              f"STAGES == {v.ring_stages}, \"{v.partition_name}: stages\");")
+        checks.append(f"static_assert(cupa::MAX_CLUSTER == {catalogue.MAX_CLUSTER}, "
+                      "\"cluster size\");")
+        source = catalogue.batch_source(mma[:1]) + "\n".join(checks) + "\n"
+        assert offline._compile_nvrtc(source, "ring_layout", Target("sm_90")) > 0
 
 
 def fake_hip_tree(root, version=(7, 0)):

@@ -80,16 +80,21 @@ SHARED_PER_SM = {"sm_80": (167936, 166912), "sm_90": (233472, 232448)}
 @pytest.mark.parametrize("arch", list(SHARED_PER_SM))
 def test_tensor_core_kernels_fit_their_shared_memory(arch):
     """The K/V ring must fit: as many workgroups per multiprocessor on sm_90 as the planner aims
-    at (two; one for the 16-bit head-256 kernels), at least one on sm_80; the merge buffer
-    reuses it."""
+    at (two; one for the 16-bit head-256 kernels and the wide forms, which exist from sm_90), at
+    least one on sm_80; the merge buffer reuses it."""
     per_sm, per_block = SHARED_PER_SM[arch]
-    for v in catalogue.all_mma_variants():
+    variants = [v for v in catalogue.all_variants(arch)
+                if isinstance(v, catalogue.DecodeMmaVariant)]
+    assert any(v.wide for v in variants) == (arch == "sm_90")
+    for v in variants:
         assert 0 < v.shared_bytes <= per_block, v
         if arch == "sm_90":  # + 1 KB reserved per workgroup
             assert v.workgroups_per_sm * (v.shared_bytes + 1024) <= per_sm, v
-            assert v.workgroups_per_sm == (1 if v.head_size == 256 and not v.cache else 2), v
+            one = v.wide or (v.head_size == 256 and not v.cache)
+            assert v.workgroups_per_sm == (1 if one else 2), v
         head_rows = 8 if v.heads == 8 else 16
-        assert v.shared_bytes >= 4 * head_rows * v.head_size * 4  # the merge buffer fits
+        warps = v.threads // 32
+        assert v.shared_bytes >= warps * head_rows * v.head_size * 4  # the merge buffer fits
 
 
 def test_forcing_the_portable_kernel(switch):
@@ -333,7 +338,7 @@ def h200_residency(variant):
     ("fp8_e4m3", 128, 128, 1024, True, 1024),   # 87.2 -> 83.7
     ("fp8_e4m3", 128, 256, 2048, True, 2048),   # 271.9 -> 265.3
     ("fp8_e4m3", 128, 64, 4096, True, 4096),    # 141.1 -> 139.9
-    ("fp8_e4m3", 128, 16, 16384, False, 8192),  # 139.8 (140.5 dense): 256 workgroups
+    ("fp8_e4m3", 128, 16, 16384, False, 16384),  # 139.8 (140.5 dense); now the wide form
     ("fp8_e4m3", 128, 1, 32768, False, 2048),   # level; then 128 workgroups of 2048 (v23)
     ("fp8_e4m3", 128, 8, 4096, False, 2048),    # 31.1 (36.0 dense)
 ])
@@ -380,6 +385,88 @@ def test_the_dense_form_only_where_it_exists(switch):
         make_plan(large, H200_SMS, arch="sm_90")
 
 
+def wide_residency(variant):
+    """h200_residency, with the wide forms' one workgroup a multiprocessor."""
+    return 1 if variant.wide else h200_residency(variant)
+
+
+@pytest.mark.parametrize("options, batch, seq_len, wide, partitions", [
+    # One wave of partitions of 8192 tokens or more: the wide form. H200, v36, default -> wide
+    # form (us):
+    ({}, 16, 16384, True, 1),                       # 258.0 -> 256.0 (cluster pairs before)
+    ({}, 4, 32768, True, 4),                        # 142.0 -> 140.4 (8 partitions before)
+    (dict(dtype="bfloat16"), 16, 16384, True, 1),   # 257.8 -> 256.1
+    (dict(kv_format="fp8_e4m3"), 16, 16384, True, 1),  # 141.7 -> 139.9
+    (dict(kv_heads=4), 16, 16384, True, 2),         # group 16: 143.7 -> 140.0, in pairs
+    # ... not for shorter partitions or a grid of more than one wave:
+    (dict(kv_heads=4), 8, 16384, False, 4),         # 82.4 (83.1 wide: 4096-token partitions)
+    (dict(kv_format="fp8_e4m3"), 8, 4096, False, 2),  # 31.1 (32.0)
+    ({}, 1, 4096, False, 16),                       # 16.4 (17.2)
+    ({}, 1, 32768, False, 16),                      # level
+    ({}, 32, 2048, False, 1),                       # 76.7 (80.2: two waves)
+    (dict(kv_heads=4), 128, 1024, False, 1),        # 81.2 (91.9)
+    # ... nor where the form does not exist: head 64, more than 16 query rows.
+    (dict(head_size=64), 16, 16384, False, 2),
+    (dict(kv_heads=2), 16, 16384, False, 8),
+])
+def test_the_wide_form_serves_one_wave_of_long_partitions(options, batch, seq_len, wide,
+                                                          partitions):
+    plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
+                     max_seq_len=seq_len, residency=wide_residency)
+    assert (plan.variant.wide, plan.max_partitions) == (wide, partitions)
+    assert plan.variant.partition_name.endswith("_wide") == wide
+    if wide:
+        workgroups = batch * plan.head_chunks * shape(**options).num_kv_heads * partitions
+        assert workgroups <= H200_SMS and plan.partition_size >= dispatch.WIDE_MIN_PARTITION_TOKENS
+        assert plan.variant.threads == catalogue.WIDE_RING["threads"] and plan.stagger_slots == 0
+        assert plan.all_ids_early  # one wave
+        narrow = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_80",
+                           max_seq_len=seq_len)
+        assert not narrow.variant.wide  # the ring needs sm_90's shared memory
+
+
+def test_the_wide_form_only_where_it_exists(switch):
+    long = shape(16, 16384)
+    ragged = make_plan(long, H200_SMS, arch="sm_90", max_seq_len=16384,
+                       total_seq_len=16384 + 15 * 1024, residency=wide_residency)
+    assert not ragged.variant.wide  # a ragged batch's partitions do not start together
+    switch("CUPA_WIDE", "never")
+    assert not make_plan(long, H200_SMS, arch="sm_90").variant.wide
+    switch("CUPA_WIDE", "always")  # any plan, where the form exists
+    small = make_plan(shape(1, 4096), H200_SMS, arch="sm_90", partition_size=256)
+    assert small.variant.wide and small.partition_size == 256
+    sixteen = make_plan(shape(1, 4096, kv_heads=4), H200_SMS, arch="sm_90")
+    assert not sixteen.variant.wide  # row chunks of the 8-column kernel: no wide form
+    assert make_plan(shape(8, 4096, kv_heads=4), H200_SMS, arch="sm_90").variant.wide
+    for problem, arch in ((long, "sm_80"), (shape(16, 16384, head_size=64), "sm_90"),
+                          (shape(16, 16384, dtype="float32"), "sm_90")):
+        assert not getattr(make_plan(problem, H200_SMS, arch=arch).variant, "wide", False)
+    switch("CUPA_MERGE", "cluster")  # a wide workgroup takes a multiprocessor: pairs at most
+    assert not make_plan(shape(1, 4096), H200_SMS, arch="sm_90", partition_size=512).cluster_merge
+    assert make_plan(shape(1, 4096), H200_SMS, arch="sm_90", partition_size=2048).cluster_merge
+    switch("CUPA_WIDE", "sometimes")
+    with pytest.raises(ValueError, match="CUPA_WIDE"):
+        make_plan(long, H200_SMS, arch="sm_90")
+
+
+def test_a_wide_module_defines_its_threads_and_ring():
+    wide = catalogue.DecodeMmaVariant("float16", 128, 16, wide=True)
+    source = catalogue.module_source(wide)
+    assert source.startswith("#define CUPA_THREADS 256\n#define CUPA_RING_STAGES 3\n")
+    assert catalogue.module_source(catalogue.DecodeMmaVariant("float16", 128, 16)).startswith(
+        "#define CUPA_THREADS 128\n#define CUPA_RING_STAGES 0\n")
+    assert wide.rows == 128 and wide.shared_bytes == 3 * 2 * 128 * 256 + 2 * 3 * 128 * 4
+    fp8 = catalogue.DecodeMmaVariant("float16", 128, 8, catalogue.FP8_E4M3_NATIVE, wide=True)
+    assert fp8.shared_bytes == 3 * 2 * 256 * 128 + 2 * 3 * 256 * 4  # 256-token chunks
+    with pytest.raises(ValueError, match="module defines"):
+        catalogue.batch_source([wide, catalogue.DecodeMmaVariant("float16", 128, 8)])
+    from cupa.gpu.offline import variant_batches
+    for batch in variant_batches(catalogue.all_variants("sm_90")):
+        assert len({catalogue.module_defines(v) for v in batch}) == 1
+        catalogue.batch_source(batch)
+    assert not any(getattr(v, "wide", False) for v in catalogue.all_variants("sm_80"))
+
+
 @pytest.mark.parametrize("options, batch, seq_len, partition_size", [
     # Few long sequences on the 8-column kernel at head 128, merged by the reduce: one workgroup
     # a multiprocessor (planner.ONE_PER_SM_DENSITY). H200, v23, before -> after (us):
@@ -400,8 +487,9 @@ def test_the_dense_form_only_where_it_exists(switch):
     (dict(head_size=64), 2, 16384, 1024),
     (dict(kv_heads=4), 1, 32768, 1024),
 ])
-def test_few_long_sequences_take_one_workgroup_a_multiprocessor(options, batch, seq_len,
+def test_few_long_sequences_take_one_workgroup_a_multiprocessor(switch, options, batch, seq_len,
                                                                 partition_size):
+    switch("CUPA_WIDE", "never")  # the default form's rule (the wide form's: test_the_wide_form_*)
     plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
                      residency=h200_residency)
     assert plan.partition_size == partition_size and plan.reduce_launch
@@ -652,6 +740,7 @@ def test_small_launches_merge_in_one_cluster(switch, problem, cluster):
 
 def test_partitions_merge_in_clusters_of_two_on_sm90(switch):
     switch("CUPA_MERGE", None)
+    switch("CUPA_WIDE", "never")  # the default form's plans (16 x 16384 is the wide form's)
     two = make_plan(shape(batch=16, seq_len=16384), H200_SMS, arch="sm_90", max_seq_len=16384)
     assert two.max_partitions == 2 and two.cluster_merge and not two.reduce_launch
     many = make_plan(shape(batch=1, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)
@@ -679,6 +768,7 @@ def test_short_one_token_launches_pair_their_partitions_in_clusters(switch):
     """From about one workgroup per multiprocessor, short one-token launches on sm_90 take two
     partitions merged within clusters instead of more partitions and the reduce launch."""
     switch("CUPA_MERGE", None)
+    switch("CUPA_WIDE", "never")  # the default form's plans (8 x 32768 is the wide form's)
     paired = make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
     assert paired.max_partitions == 2 and paired.cluster_merge
     longer = make_plan(shape(batch=8, seq_len=32768), H200_SMS, arch="sm_90", max_seq_len=32768)

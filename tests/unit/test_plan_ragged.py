@@ -22,21 +22,23 @@ MAIN_SHAPES = ((1, 4096), (1, 32768), (8, 4096), (16, 16384), (32, 2048), (64, 4
 # docs/performance.md, "What that means for the main table". Since v23 1 x 32768 takes one
 # workgroup a multiprocessor (planner.ONE_PER_SM_DENSITY): 16 partitions of 2048, not 32 of 1024.
 # Since v26 1 x 4096's 16 partitions merge in one cluster, a small launch (planner.SMALL_LAUNCH_*).
+# Since v36 16 x 16384 runs the wide form (dispatch.wide_form) in one partition, not two.
 MAIN_PLANS = {
     (1, 4096): (256, 16, True), (1, 32768): (2048, 16, False), (8, 4096): (2048, 2, True),
-    (16, 16384): (8192, 2, True), (32, 2048): (2048, 1, False), (64, 4096): (4096, 1, False),
+    (16, 16384): (16384, 1, False), (32, 2048): (2048, 1, False), (64, 4096): (4096, 1, False),
     (128, 1024): (1024, 1, False), (256, 2048): (2048, 1, False),
 }
 # The same for the breadth configurations and the fp8 cache, over MAIN_SHAPES in order
 # (no residency given: as on a machine without the occupancy query).
-LIKE_THE_MAIN_TABLE = [(256, 16, True), (2048, 16, False), (2048, 2, True), (8192, 2, True),
+LIKE_THE_MAIN_TABLE = [(256, 16, True), (2048, 16, False), (2048, 2, True), (16384, 1, False),
                        (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]
-# Head 64 keeps two workgroups a multiprocessor at 1 x 32768 (level or slower at one, v23).
-LIKE_THE_MAIN_TABLE_HEAD64 = [(1024, 32, False) if i == 1 else p
+# Head 64 keeps two workgroups a multiprocessor at 1 x 32768 (level or slower at one, v23) and
+# has no wide form: 16 x 16384 in cluster pairs.
+LIKE_THE_MAIN_TABLE_HEAD64 = [{1: (1024, 32, False), 3: (8192, 2, True)}.get(i, p)
                               for i, p in enumerate(LIKE_THE_MAIN_TABLE)]
 OTHER_PLANS = {
-    "mha": (dict(heads=32, kv_heads=32), [
-        (1024, 4, False), (4096, 8, False), (4096, 1, False), (16384, 1, False),
+    "mha": (dict(heads=32, kv_heads=32), [  # 1 x 32768: the wide form since v36
+        (1024, 4, False), (8192, 4, False), (4096, 1, False), (16384, 1, False),
         (2048, 1, False), (4096, 1, False), (1024, 1, False), (2048, 1, False)]),
     "head256": (dict(head_size=256), [
         (256, 16, False), (2048, 16, False), (2048, 2, True), (16384, 1, False),
@@ -168,7 +170,8 @@ def test_splits_grow_as_the_batch_empties():
         plan = make_plan(shape(batch=16, seq_len=32768), H200_SMS, arch="sm_90",
                          max_seq_len=32768, total_seq_len=int(fill * 16 * 32768))
         partitions.append(plan.max_partitions)
-    assert partitions == sorted(partitions) and partitions[0] == 2 and partitions[-1] == 32
+    # Uniform and nearly so: the wide form's one partition (dispatch.wide_form).
+    assert partitions == sorted(partitions) and partitions[:2] == [1, 1] and partitions[-1] == 32
 
 
 def test_nearly_uniform_batches_plan_as_uniform_ones():

@@ -54,10 +54,12 @@ def test_cases_reach_every_variant_dispatch_can_pick(arch):
                      and (v.tiles == catalogue.matrix_tiles(32, v.head_size, arch)
                           or v.tiles == 1)}
         assert variants == (set(catalogue.all_decode_variants()) - matrix) | reachable
-    else:  # the dense forms are the planner's choice by grid size (tests/gpu: CUPA_DENSE)
+    else:  # the dense and wide forms are the planner's choice by grid size (tests/gpu:
+        # CUPA_DENSE, CUPA_WIDE)
         assert {v for v in variants if isinstance(v, catalogue.DecodeMmaVariant)} == {
             v for v in catalogue.all_mma_variants()
-            if (v.cache != catalogue.FP8_E4M3_NATIVE or arch != "sm_80") and not v.dense}
+            if (v.cache != catalogue.FP8_E4M3_NATIVE or arch != "sm_80") and not v.dense
+            and not v.wide}
     # Every dtype, cache kind (both fp8 formats), head size and row tile is in the matrix.
     assert {(c.dtype, c.kv_format) for c in cases} == {
         ("float32", None), *((d, f) for d in ("float16", "bfloat16")

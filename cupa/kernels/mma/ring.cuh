@@ -3,6 +3,11 @@
 #pragma once
 #include "merge.cuh"
 
+// The ring stages of a wide form (catalogue.module_defines); 0: KvRing's rule.
+#ifndef CUPA_RING_STAGES
+#define CUPA_RING_STAGES 0
+#endif
+
 namespace cupa {
 
 // ---- K/V staging ---------------------------------------------------------------------------
@@ -53,9 +58,11 @@ struct KvRing {
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;
     // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
     // of float16 at head 256, where 2 stages are what fits sm_80's 163 KB (and one workgroup
-    // per multiprocessor on sm_90).
-    static constexpr int STAGES =
-        DENSE_STAGES > 0 ? DENSE_STAGES : KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
+    // per multiprocessor on sm_90). A wide form's module sets its own (CUPA_RING_STAGES: its
+    // 64 KB stages of 8 warps' chunks would get the rule's 2).
+    static constexpr int STAGES = DENSE_STAGES > 0 ? DENSE_STAGES
+                                  : CUPA_RING_STAGES > 0 ? CUPA_RING_STAGES
+                                  : KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
