@@ -449,6 +449,30 @@ def test_the_wide_form_only_where_it_exists(switch):
         make_plan(long, H200_SMS, arch="sm_90")
 
 
+def test_a_wide_plan_launches_both_its_kernels_with_its_threads(monkeypatch):
+    """The launch's block is the variant's (both kernels of its module were compiled with its
+    CUPA_THREADS): 256 threads for the wide form's phase 1 and reduce, 128 otherwise."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from cupa.gpu import launch
+    info = SimpleNamespace(hip_runtime=False, multiprocessors=H200_SMS,
+                           target=SimpleNamespace(arch="sm_90"))
+    blocks = []
+    monkeypatch.setattr(launch, "device_info", lambda index: info)
+    monkeypatch.setattr(launch, "compiled_kernels", lambda variant, index: defaultdict(object))
+    monkeypatch.setattr(launch, "_has_extended", lambda is_hip: True)
+    monkeypatch.setattr(launch, "PreparedLaunch",
+                        lambda kernel, grid, block, **kwargs: blocks.append(block))
+    for problem, threads in ((shape(4, 32768), 256), (shape(1, 32768), 128)):
+        plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=32768,
+                         residency=wide_residency)
+        assert plan.reduce_launch and plan.variant.threads == threads
+        blocks.clear()
+        launch.DecodeLaunch(plan, problem, 0)
+        assert blocks == [(threads, 1, 1)] * 2
+
+
 def test_a_wide_module_defines_its_threads_and_ring():
     wide = catalogue.DecodeMmaVariant("float16", 128, 16, wide=True)
     source = catalogue.module_source(wide)
