@@ -247,7 +247,7 @@ def wide_form(variant, rows: int, arch: str):
     """The wide form of `variant` for `rows` query rows per KV head if it exists on this target
     and the switch allows it (CUPA_WIDE), else None. Whether a launch runs on it is the
     planner's rule (WIDE_MIN_PARTITION_TOKENS), unless the switch says always."""
-    if not (isinstance(variant, DecodeMmaVariant) and not variant.dense and not variant.wide
+    if not (isinstance(variant, DecodeMmaVariant) and not variant.dense
             and variant.head_size in WIDE_HEAD_SIZES and rows <= 16
             and sm_number(arch) >= WIDE_MIN_SM and switches().wide != "never"):
         return None
