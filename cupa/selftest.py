@@ -4,8 +4,11 @@ small random problem and compared with the float64 numpy oracle (cupa.reference)
 The matrix follows dispatch, not the catalogue: each query dtype x cache kind (same dtype, fp8 in
 both formats) x head size, with the fewest query rows per KV head that reach each row tile, so
 every (variant, fp8 format) the planner would launch here runs, in one partition and in several
-(the reduce kernel). The output is a table; the exit code is 0 when every case is within its
-bound, 1 on a mismatch, 2 when there is no GPU to test.
+(the reduce kernel). Where the planner's choice depends on the problem's size (the 16-row
+tensor-core kernel, and on sm_90 the dense and wide forms that large grids get), the case forces
+it on its small problem with the switches of dispatch.FORM_SWITCHES. The output is a table; the
+exit code is 0 when every case is within its bound, 1 on a mismatch, 2 when there is no GPU to
+test.
 
 `check_variant_once` is the per-process, disk-cached form for one variant. `first_use_guard`
 hooks it into the planner on real AMD devices: a matrix-core variant (MFMA / WMMA, so far
@@ -60,6 +63,11 @@ class Case:
     variant: object
 
     @property
+    def form(self) -> str | None:
+        """The size rule its plan is forced past (dispatch.FORM_SWITCHES), or None."""
+        return dispatch.size_form(self.variant)
+
+    @property
     def kernel(self) -> str:
         return self.variant.partition_name
 
@@ -81,13 +89,22 @@ def cases_for(arch: str) -> list[Case]:
                     if (variant, kv_format) not in seen:
                         seen.add((variant, kv_format))
                         cases.append(Case(dtype, head_size, rows, kv_format, variant))
-    return cases
+    return cases + [Case(c.dtype, c.head_size, c.rows, c.kv_format, form)
+                    for c in cases for form in grid_forms(c, arch)]
+
+
+def grid_forms(case: Case, arch: str) -> list:
+    """The dense and wide forms of the case's variant that exist on `arch`: large grids get
+    them."""
+    forms = (dispatch.dense_variant(case.variant, arch),
+             dispatch.wide_variant(case.variant, case.rows, arch))
+    return [variant for variant in forms if variant is not None]
 
 
 @dataclass
 class Outcome:
-    """What running a case gave: relative error per partitioning ('1 partition', '3
-    partitions'), or an error message where it did not run."""
+    """What running a case gave: relative error per partitioning ('planned, 1 partition',
+    '256-token, 3 partitions'), or an error message where it did not run."""
 
     errors: dict = field(default_factory=dict)
     failure: str | None = None
@@ -146,14 +163,17 @@ def run_on_gpu(case: Case, rng) -> Outcome:
                                                  "block_tables", "seq_lens")]
     outcome = Outcome()
     for partition_size in (None, PARTITION_SIZE):
-        plan = plan_decode(*device, **problem["options"], partition_size=partition_size,
-                           max_seq_len=max(SEQ_LENS), backend="gpu")
+        with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
+            plan = plan_decode(*device, **problem["options"], partition_size=partition_size,
+                               max_seq_len=max(SEQ_LENS), backend="gpu")
         if plan.kernel != case.kernel:
             outcome.failure = f"planned {plan.kernel}, not {case.kernel}"
             return outcome
         poisoned = cupy.full(problem["query"].shape, np.nan, dtype=problem["query"].dtype)
         out = cupy.asnumpy(plan.run(*device, out=poisoned)).astype(np.float64)
-        label = f"{plan.max_partitions} partition" + ("s" if plan.max_partitions > 1 else "")
+        # Both plans may split alike (the dense and wide forms' own plans split these lengths).
+        label = ("planned" if partition_size is None else f"{partition_size}-token") + \
+            f", {plan.max_partitions} partition" + ("s" if plan.max_partitions > 1 else "")
         outcome.errors[label] = _rel_error(out, ref) if np.isfinite(out).all() else float("nan")
     return outcome
 
@@ -169,8 +189,8 @@ def run_cases(cases, runner, out=None, seed: int = SEED) -> int:
     a summary on `out` (stdout); 0 when every case passed, 1 otherwise. A runner that raises
     fails its case."""
     out = out or sys.stdout
-    header = (f"{'kernel':<28} {'dtype':<9} {'kv':<13} {'head':>4} {'rows':>4}  "
-              f"{'rel. error (partitions)':<38} {'bound':>8}  result")
+    header = (f"{'kernel':<38} {'dtype':<9} {'kv':<13} {'head':>4} {'rows':>4}  "
+              f"{'rel. error (partitions)':<58} {'bound':>8}  result")
     print(header, file=out)
     print("-" * len(header), file=out)
     failures = 0
@@ -184,8 +204,8 @@ def run_cases(cases, runner, out=None, seed: int = SEED) -> int:
         ok = passed(case, outcome)
         failures += not ok
         errors = ", ".join(f"{err:.1e} ({label})" for label, err in outcome.errors.items())
-        print(f"{case.kernel:<28} {case.dtype:<9} {case.kv_format or '-':<13} "
-              f"{case.head_size:>4} {case.rows:>4}  {errors:<38} {case.bound:>8.1e}  "
+        print(f"{case.kernel:<38} {case.dtype:<9} {case.kv_format or '-':<13} "
+              f"{case.head_size:>4} {case.rows:>4}  {errors:<58} {case.bound:>8.1e}  "
               f"{'ok' if ok else 'MISMATCH'}" + (f"  {outcome.failure}" if outcome.failure
                                                  else ""), file=out)
     print(f"{len(cases) - failures}/{len(cases)} cases within bounds", file=out)

@@ -11,6 +11,7 @@ with).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -164,6 +165,17 @@ def set_switches(values: dict) -> None:
     reload_switches()
 
 
+@contextlib.contextmanager
+def switches_set(values: dict):
+    """set_switches(values) for a block, and the switches as they were after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    set_switches(values)
+    try:
+        yield
+    finally:
+        set_switches(saved)
+
+
 def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
     this target."""
@@ -227,32 +239,64 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     return chunks * kv_bytes <= limit * multiprocessors
 
 
-def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
-    """The dense form of `variant` if a launch of `workgroups` busy workgroups on this target
-    runs on it (see DENSE_FROM_WORKGROUPS_PER_SM), else None."""
+def dense_variant(variant, arch: str):
+    """The dense form of `variant` if it exists on this target (DENSE_KINDS, from DENSE_MIN_SM),
+    whatever the switches say, else None."""
     if not (isinstance(variant, DecodeMmaVariant) and variant.heads == 8 and not variant.dense
-            and sm_number(arch) >= DENSE_MIN_SM):
-        return None
-    kind = (variant.cache, variant.head_size)
-    if kind not in DENSE_KINDS:
-        return None
-    form = switches().dense
-    if form == "never" or (form == "auto" and
-                           workgroups < DENSE_FROM_WORKGROUPS_PER_SM[kind] * multiprocessors):
+            and not variant.wide and sm_number(arch) >= DENSE_MIN_SM
+            and (variant.cache, variant.head_size) in DENSE_KINDS):
         return None
     return DecodeMmaVariant(variant.dtype, variant.head_size, 8, variant.cache, dense=True)
 
 
-def wide_form(variant, rows: int, arch: str):
+def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
+    """The dense form of `variant` if a launch of `workgroups` busy workgroups on this target
+    runs on it (see DENSE_FROM_WORKGROUPS_PER_SM), else None."""
+    dense, form = dense_variant(variant, arch), switches().dense
+    if dense is None or form == "never":
+        return None
+    per_sm = DENSE_FROM_WORKGROUPS_PER_SM[(variant.cache, variant.head_size)]
+    return dense if form == "always" or workgroups >= per_sm * multiprocessors else None
+
+
+def wide_variant(variant, rows: int, arch: str):
     """The wide form of `variant` for `rows` query rows per KV head if it exists on this target
-    and the switch allows it (CUPA_WIDE), else None. Whether a launch runs on it is the
-    planner's rule (WIDE_MIN_PARTITION_TOKENS), unless the switch says always."""
-    if not (isinstance(variant, DecodeMmaVariant) and not variant.dense
+    (WIDE_HEAD_SIZES, up to one tile of 16 rows, from WIDE_MIN_SM), whatever the switches say,
+    else None."""
+    if not (isinstance(variant, DecodeMmaVariant) and not variant.dense and not variant.wide
             and variant.head_size in WIDE_HEAD_SIZES and rows <= 16
-            and sm_number(arch) >= WIDE_MIN_SM and switches().wide != "never"):
+            and sm_number(arch) >= WIDE_MIN_SM):
         return None
     return DecodeMmaVariant(variant.dtype, variant.head_size, variant.heads, variant.cache,
                             wide=True)
+
+
+def wide_form(variant, rows: int, arch: str):
+    """wide_variant where the switch allows it (CUPA_WIDE), else None. Whether a launch runs on
+    it is the planner's rule (WIDE_MIN_PARTITION_TOKENS), unless the switch says always."""
+    return None if switches().wide == "never" else wide_variant(variant, rows, arch)
+
+
+# The planner's choices by a problem's size, each as the switches that make it on any problem
+# where the variant exists: the 16-row kernel (small problems run as row chunks of the 8-column
+# one, runs_as_row_chunks), and the dense and wide forms (dense_form, wide_form). How the
+# selftest and the GPU tests reach them with small problems.
+FORM_SWITCHES = {"16-row": {"CUPA_KERNEL": "auto", "CUPA_ROW_CHUNKS": "never",
+                            "CUPA_DENSE": "auto"},
+                 "dense": {"CUPA_KERNEL": "auto", "CUPA_ROW_CHUNKS": "always",
+                           "CUPA_DENSE": "always"},
+                 "wide": {"CUPA_KERNEL": "auto", "CUPA_ROW_CHUNKS": "never",
+                          "CUPA_DENSE": "never", "CUPA_WIDE": "always"}}
+
+
+def size_form(variant) -> str | None:
+    """The FORM_SWITCHES entry under which the planner launches `variant` whatever the
+    problem's size, or None where no size rule stands between a problem and its variant."""
+    if not isinstance(variant, DecodeMmaVariant):
+        return None
+    if variant.dense or variant.wide:
+        return "dense" if variant.dense else "wide"
+    return "16-row" if variant.heads == 16 else None
 
 
 def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",

@@ -35,14 +35,11 @@ def to_gpu(case):
 KERNEL_MODES = {"auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
                 "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto",
                                  CUPA_DENSE="auto"),
-                "16-row": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never", CUPA_DENSE="auto"),
                 "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always",
                                    CUPA_DENSE="never"),
-                # The dense form of the 8-column kernel (dispatch.dense_form) on any grid.
-                "dense": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="always"),
-                # The wide form of either tensor-core kernel (dispatch.wide_form) on any grid.
-                "wide": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never", CUPA_DENSE="never",
-                             CUPA_WIDE="always")}
+                # The 16-row kernel, the dense and wide forms (dispatch.dense_variant,
+                # wide_variant) on any problem.
+                **dispatch.FORM_SWITCHES}
 
 
 def kernel_modes(case, kv_format=None):
@@ -66,9 +63,9 @@ def kernel_modes(case, kv_format=None):
     arch = device_info().target.arch
     mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
     eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
-    dense = ("dense",) if mma and (eight.cache, head_size) in catalogue.DENSE_KINDS else ()
+    dense = ("dense",) if mma and dispatch.dense_variant(eight, arch) is not None else ()
     own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
-    wide = ("wide",) if mma and dispatch.wide_form(own, rows, arch) is not None else ()
+    wide = ("wide",) if mma and dispatch.wide_variant(own, rows, arch) is not None else ()
     if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
         return ("16-row", "row-chunks", *dense, *wide, "portable")
     if mma:

@@ -3,8 +3,6 @@ in every slot no sequence uses, placed where reading one slot too many reaches i
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -205,15 +203,9 @@ def rel_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
 
 
-@contextlib.contextmanager
 def environ(**values):
     """Environment variables set for the block and restored after it; the dispatch switches
     (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE, CUPA_CHAINED_REDUCE,
     CUPA_CHAINED_PHASE1) are read again on entry and on exit."""
     from cupa.gpu import dispatch
-    saved = {name: os.environ.get(name) for name in values}
-    dispatch.set_switches(values)
-    try:
-        yield
-    finally:
-        dispatch.set_switches(saved)
+    return dispatch.switches_set(values)

@@ -15,7 +15,9 @@ from cupa import selftest
 from cupa.arrays import gpu_available
 from cupa.gpu import catalogue, dispatch
 from cupa.gpu.device import info_from_properties
+from cupa.gpu.planner import make_plan
 from cupa.reference import paged_decode_reference
+from cupa.validation import check_decode_args
 
 from cases import REL_BOUND
 from test_gpu_fp8_decode import FP8_REL_BOUND
@@ -39,11 +41,13 @@ def test_cases_reach_every_variant_dispatch_can_pick(arch):
     cases = selftest.cases_for(arch)
     keys = [(c.variant, c.kv_format) for c in cases]
     assert len(keys) == len(set(keys))
-    for c in cases:  # each case's problem reaches its variant, with the fewest rows that do
-        assert dispatch.decode_variant(c.dtype, c.head_size, c.rows, arch, c.kv_format) \
-            == c.variant
+    for c in cases:  # each case's problem reaches its variant, with the fewest rows that do;
+        # a dense or wide case's variant is a form of the variant its problem reaches
+        own = dispatch.decode_variant(c.dtype, c.head_size, c.rows, arch, c.kv_format)
+        assert own == c.variant or c.variant in selftest.grid_forms(
+            selftest.Case(c.dtype, c.head_size, c.rows, c.kv_format, own), arch)
         assert c.rows == 1 or dispatch.decode_variant(c.dtype, c.head_size, c.rows - 1, arch,
-                                                      c.kv_format) != c.variant
+                                                      c.kv_format) != own
     variants = {c.variant for c in cases}
     if arch.startswith("gfx"):  # the matrix-core variants, and portable ones where they stop
         matrix = {v for v in catalogue.all_decode_variants()
@@ -54,17 +58,43 @@ def test_cases_reach_every_variant_dispatch_can_pick(arch):
                      and (v.tiles == catalogue.matrix_tiles(32, v.head_size, arch)
                           or v.tiles == 1)}
         assert variants == (set(catalogue.all_decode_variants()) - matrix) | reachable
-    else:  # the dense and wide forms are the planner's choice by grid size (tests/gpu:
-        # CUPA_DENSE, CUPA_WIDE)
+    else:  # every tensor-core variant; the grid-size forms (sm_90) as forced cases
         assert {v for v in variants if isinstance(v, catalogue.DecodeMmaVariant)} == {
             v for v in catalogue.all_mma_variants()
-            if (v.cache != catalogue.FP8_E4M3_NATIVE or arch != "sm_80") and not v.dense
-            and not v.wide}
+            if (v.cache != catalogue.FP8_E4M3_NATIVE or arch != "sm_80")
+            and (arch == "sm_90" or not (v.dense or v.wide))}
     # Every dtype, cache kind (both fp8 formats), head size and row tile is in the matrix.
     assert {(c.dtype, c.kv_format) for c in cases} == {
         ("float32", None), *((d, f) for d in ("float16", "bfloat16")
                              for f in (None, "fp8_e4m3", "fp8_e4m3fnuz"))}
     assert {c.head_size for c in cases} == set(cupa.problem.SUPPORTED_HEAD_SIZES)
+
+
+@pytest.mark.parametrize("arch, multiprocessors", [("sm_90", 132), ("sm_90", 8), ("sm_80", 108),
+                                                    ("gfx942", 304), ("gfx1100", 48)])
+def test_every_case_plans_its_variant_on_the_selftest_problem(arch, multiprocessors, switch):
+    # What run_on_gpu plans, on the CPU: the case's forced size rule (the 16-row kernel, the
+    # dense and wide forms) overrides a user's switches, which are back after it.
+    switch("CUPA_WIDE", "never")
+    switch("CUPA_DENSE", "never")
+    switch("CUPA_ROW_CHUNKS", "always")
+    cases = selftest.cases_for(arch)
+    forms = {"sm_90": {None, "16-row", "dense", "wide"}, "sm_80": {None, "16-row"}}
+    assert {c.form for c in cases} == forms.get(arch, {None})
+    for case in cases:
+        problem = selftest.make_problem(case, np.random.default_rng(0))
+        shape = check_decode_args(*(problem[k] for k in ("query", "key_cache", "value_cache",
+                                                         "block_tables", "seq_lens")),
+                                  kv_format=problem["options"].get("kv_format"))
+        for partition_size in (None, selftest.PARTITION_SIZE):
+            with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
+                plan = make_plan(shape, multiprocessors, arch=arch,
+                                 partition_size=partition_size,
+                                 max_seq_len=max(selftest.SEQ_LENS))
+            assert plan.variant == case.variant, case
+            assert partition_size is None or plan.max_partitions > 1  # the merge runs too
+    switches = dispatch.switches()
+    assert (switches.wide, switches.dense, switches.row_chunks) == ("never", "never", "always")
 
 
 def numpy_runner(case, rng):
