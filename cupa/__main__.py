@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--representative", action="store_true",
                    help="only the representative subset the test suite compiles by default")
     p = sub.add_parser("selftest", help="every kernel variant this GPU can use against the "
-                                        "float64 reference (exit 1 on a mismatch, 2 without GPU)")
+                                        "float64 reference (exit 1 on a mismatch, 2 when nothing "
+                                        "was tested)")
     p.add_argument("--kernel", default=None, help="only the kernels whose name contains this")
     from .bench.main import add_arguments
     add_arguments(sub.add_parser("bench", help="time decode against the copy ceiling and peers"))

@@ -7,8 +7,8 @@ every (variant, fp8 format) the planner would launch here runs, in one partition
 (the reduce kernel). Where the planner's choice depends on the problem's size (the 16-row
 tensor-core kernel, and on sm_90 the dense and wide forms that large grids get), the case forces
 it on its small problem with the switches of dispatch.FORM_SWITCHES. The output is a table; the
-exit code is 0 when every case is within its bound, 1 on a mismatch, 2 when there is no GPU to
-test.
+exit code is 0 when every case is within its bound, 1 on a mismatch, 2 when nothing was tested
+(no GPU, or a --kernel filter that matches no case).
 
 `check_variant_once` is the per-process, disk-cached form for one variant. `first_use_guard`
 hooks it into the planner on real AMD devices: a matrix-core variant (MFMA / WMMA, so far
@@ -49,7 +49,7 @@ PARTITION_SIZE = 256
 # kernel (8 portable, 64 in the 16-row tensor-core kernel), so each tile is reached.
 MAX_ROWS = 64
 SEED = 20240611
-NO_GPU_EXIT = 2
+NOTHING_TESTED_EXIT = 2  # no GPU to test, or a --kernel filter that no case matches
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def run_cases(cases, runner, out=None, seed: int = SEED) -> int:
     header = (f"{'kernel':<38} {'dtype':<9} {'kv':<13} {'head':>4} {'rows':>4}  "
               f"{'rel. error (partitions)':<58} {'bound':>8}  result")
     print(header, file=out)
-    print("-" * len(header), file=out)
+    print("-" * len(header), file=out, flush=True)
     failures = 0
     for case in cases:
         rng = np.random.default_rng([seed, zlib.crc32(case.kernel.encode()), case.head_size,
@@ -207,7 +207,7 @@ def run_cases(cases, runner, out=None, seed: int = SEED) -> int:
         print(f"{case.kernel:<38} {case.dtype:<9} {case.kv_format or '-':<13} "
               f"{case.head_size:>4} {case.rows:>4}  {errors:<58} {case.bound:>8.1e}  "
               f"{'ok' if ok else 'MISMATCH'}" + (f"  {outcome.failure}" if outcome.failure
-                                                 else ""), file=out)
+                                                 else ""), file=out, flush=True)
     print(f"{len(cases) - failures}/{len(cases)} cases within bounds", file=out)
     return 1 if failures else 0
 
@@ -226,14 +226,21 @@ def main(args=None, out=None) -> int:
     why = no_gpu_reason()
     if why:
         print(f"cupa selftest needs a GPU it can compile for: {why}", file=sys.stderr)
-        return NO_GPU_EXIT
+        return NOTHING_TESTED_EXIT
     from .gpu.device import device_info
     info = device_info()
     print(f"cupa selftest on device {info.index}: {info.name} ({info.target.arch}, wavefront "
           f"{info.warp_size}, {'hipRTC' if platform.is_rocm() else 'NVRTC'})", file=out)
     cases = cases_for(info.target.arch)
-    if args is not None and getattr(args, "kernel", None):
-        cases = [c for c in cases if args.kernel in c.kernel]
+    wanted = getattr(args, "kernel", None)
+    if wanted:
+        cases = [c for c in cases if wanted in c.kernel]
+        if not cases:  # a mistyped name must not read as a pass
+            print(f"cupa selftest: no kernel on {info.target.arch} has {wanted!r} in its name "
+                  f"(the table's first column lists them)", file=sys.stderr)
+            return NOTHING_TESTED_EXIT
+    print(f"{len(cases)} cases; each kernel compiles on its first use (cached afterwards)",
+          file=out, flush=True)
     return run_cases(cases, run_on_gpu, out)
 
 

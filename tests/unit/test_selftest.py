@@ -1,6 +1,7 @@
 """`python -m cupa selftest` and selftest.check_variant_once, on the CPU: the no-GPU exit, the case
 matrix, the table and exit codes with fake runners, and the on-disk cache of variant checks."""
 
+import argparse
 import io
 import json
 import warnings
@@ -27,7 +28,7 @@ from test_gpu_fp8_decode import FP8_REL_BOUND
 def test_selftest_without_gpu_says_so_and_exits_2():
     result = subprocess.run([sys.executable, "-m", "cupa", "selftest"], capture_output=True,
                             text=True, timeout=300)
-    assert result.returncode == selftest.NO_GPU_EXIT == 2
+    assert result.returncode == selftest.NOTHING_TESTED_EXIT == 2
     assert "needs a GPU" in result.stderr and "no GPU" in result.stderr
 
 
@@ -148,6 +149,32 @@ def test_a_mismatch_a_nan_and_an_exception_each_fail_their_row(capsys):
     assert len(rows) == 3 and all("MISMATCH" in row for row in rows)
     assert "RuntimeError: hipModuleLaunchKernel failed" in rows[2]
     assert lines[-1] == "0/3 cases within bounds"
+
+
+@pytest.fixture
+def gfx942_device(monkeypatch):
+    """main() as on a gfx942 device, its cases run by cupa's numpy backend."""
+    info = info_from_properties(0, GFX942, rocm=True)
+    monkeypatch.setattr(selftest, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr("cupa.gpu.device.device_info", lambda: info)
+    monkeypatch.setattr(selftest, "run_on_gpu", numpy_runner)
+
+
+def test_the_command_filters_by_kernel_name_and_says_how_many_cases(gfx942_device, capsys):
+    wanted = some_cases()[2].kernel  # an fp8 case: one kernel name, both fp8 formats' rows
+    assert selftest.main(argparse.Namespace(kernel=wanted)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("cupa_")]
+    assert rows and all(wanted in row.split()[0] and row.endswith("ok") for row in rows)
+    assert lines[1].startswith(f"{len(rows)} cases; ")
+    assert lines[-1] == f"{len(rows)}/{len(rows)} cases within bounds"
+
+
+def test_a_kernel_filter_that_matches_nothing_exits_2_and_says_so(gfx942_device, capsys):
+    assert selftest.main(argparse.Namespace(kernel="cupa_decode_mma8")) == 2  # NVIDIA's only
+    captured = capsys.readouterr()
+    assert "no kernel on gfx942 has 'cupa_decode_mma8' in its name" in captured.err
+    assert "cases within bounds" not in captured.out
 
 
 def test_one_mismatch_among_passes_exits_1(capsys):
