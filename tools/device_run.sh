@@ -23,6 +23,12 @@ elif ls .whlx/*.tar.xz >/dev/null 2>&1; then
   mkdir -p /tmp/site && for t in .whlx/*.tar.xz; do tar xJf "$t" -C /tmp/site; done \
     && export PYTHONPATH=/tmp/site
 fi
+# The summed pytest summary lines of shard logs: "== total: N passed, N failed, N errors".
+total_of() {
+  tail -q -n 1 "$@" | awk '{ for (i = 2; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1);
+    if ($i ~ /^failed/) f += $(i-1); if ($i ~ /^error/) e += $(i-1) } }
+    END { printf "== total: %d passed, %d failed, %d errors\n", p, f, e }'
+}
 what="${1:-all}"
 shift || true
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -36,6 +42,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_$i.log" | head -10
   done
+  total_of "$OUT"/gpu_tests_*.log
 fi
 if [ "$what" = emulated ]; then
   # Each entry: an AMD target, emulated; ":portable" forces the portable kernel there (the
@@ -67,6 +74,7 @@ if [ "$what" = emulated ]; then
       echo "== $name shard $i/$shards: $(grep -E "passed|failed|error" "$OUT/emulated_${name}_$i.log" | tail -1)"
       grep -E "^(FAILED|ERROR)" "$OUT/emulated_${name}_$i.log" | head -5
     done
+    echo "== $name $(total_of "$OUT"/emulated_${name}_*.log | cut -c4-)"
     cat "$OUT"/emulated_${name}_*.log > "$OUT/emulated_${name}.log" && rm "$OUT"/emulated_${name}_*.log
   done
 fi

@@ -167,13 +167,17 @@ def set_switches(values: dict) -> None:
 
 @contextlib.contextmanager
 def switches_set(values: dict):
-    """set_switches(values) for a block, and the switches as they were after it."""
+    """set_switches(values) for a block, and the switches as they were after it. No values:
+    nothing is read again (a new switches() object would make cupa.decode's cached plans miss
+    once)."""
     saved = {name: os.environ.get(name) for name in values}
-    set_switches(values)
+    if values:
+        set_switches(values)
     try:
         yield
     finally:
-        set_switches(saved)
+        if values:
+            set_switches(saved)
 
 
 def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:

@@ -1,5 +1,7 @@
 """Launch planning and kernel selection: pure functions of shapes, checked without a GPU."""
 
+import os
+
 import pytest
 
 from cupa.gpu import catalogue, dispatch, planner
@@ -238,6 +240,20 @@ def test_forcing_row_chunks_or_the_16_row_kernel(switch):
     switch("CUPA_ROW_CHUNKS", "sometimes")
     with pytest.raises(ValueError, match="CUPA_ROW_CHUNKS"):
         make_plan(small, H200_SMS, arch="sm_90")
+
+
+def test_switches_set_for_a_block_and_as_they_were_after_it(switch):
+    switch("CUPA_DENSE", "never")
+    switch("CUPA_WIDE", None)
+    with dispatch.switches_set(dispatch.FORM_SWITCHES["wide"]):
+        assert (dispatch.switches().wide, dispatch.switches().dense) == ("always", "never")
+        assert dispatch.switches().row_chunks == "never"
+    assert (dispatch.switches().wide, dispatch.switches().dense) == ("auto", "never")
+    assert "CUPA_WIDE" not in os.environ  # unset before: unset again
+    before = dispatch.switches()
+    with dispatch.switches_set({}):  # nothing to set: the same object (decode's plan cache key)
+        assert dispatch.switches() is before
+    assert dispatch.switches() is before
 
 
 def test_large_batches_use_one_partition():
