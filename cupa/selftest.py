@@ -3,12 +3,12 @@ small random problem and compared with the float64 numpy oracle (cupa.reference)
 
 The matrix follows dispatch, not the catalogue: each query dtype x cache kind (same dtype, fp8 in
 both formats) x head size, with the fewest query rows per KV head that reach each row tile, so
-every (variant, fp8 format) the planner would launch here runs, in one partition and in several
-(the reduce kernel). Where the planner's choice depends on the problem's size (the 16-row
-tensor-core kernel, and on sm_90 the dense and wide forms that large grids get), the case forces
-it on its small problem with the switches of dispatch.FORM_SWITCHES. The output is a table; the
-exit code is 0 when every case is within its bound, 1 on a mismatch, 2 when nothing was tested
-(no GPU, or a --kernel filter that matches no case).
+every (variant, fp8 format) the planner would launch here runs, in the planner's partitions and in
+forced 256-token ones (several: the merge runs). Where the planner's choice depends on the
+problem's size (the 16-row tensor-core kernel, and on sm_90 the dense and wide forms that large
+grids get), the case forces it on its small problem with the switches of dispatch.FORM_SWITCHES.
+The output is a table; the exit code is 0 when every case is within its bound, 1 on a mismatch, 2
+when nothing was tested (no GPU, or a --kernel filter that matches no case).
 
 `check_variant_once` is the per-process, disk-cached form for one variant. `first_use_guard`
 hooks it into the planner on real AMD devices: a matrix-core variant (MFMA / WMMA, so far

@@ -1,7 +1,7 @@
-"""`python -m cupa selftest`'s own GPU runner on this GPU: every case of its matrix (each
-variant the planner can launch here, the dense and wide forms included on sm_90) against the
-float64 oracle, and the command's table and exit code. Under CUPA_EMULATE the matrix is the
-emulated AMD target's. Skips without a GPU."""
+"""`python -m cupa selftest`'s own GPU runner on this GPU: every case of its matrix (each variant
+the planner can launch here, the 16-row kernel and on sm_90 the dense and wide forms forced past
+their size rules) against the float64 oracle, and the command's table and exit code. Under
+CUPA_EMULATE the matrix is the emulated AMD target's. Skips without a GPU."""
 
 from __future__ import annotations
 
