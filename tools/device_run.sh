@@ -23,11 +23,15 @@ elif ls .whlx/*.tar.xz >/dev/null 2>&1; then
   mkdir -p /tmp/site && for t in .whlx/*.tar.xz; do tar xJf "$t" -C /tmp/site; done \
     && export PYTHONPATH=/tmp/site
 fi
-# The summed pytest summary lines of shard logs: "== total: N passed, N failed, N errors".
+# The summed pytest summary lines of shard logs: "== total: N passed, N failed, N errors", and
+# how many logs have no summary (a shard that timed out or crashed).
 total_of() {
-  tail -q -n 1 "$@" | awk '{ for (i = 2; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1);
-    if ($i ~ /^failed/) f += $(i-1); if ($i ~ /^error/) e += $(i-1) } }
-    END { printf "== total: %d passed, %d failed, %d errors\n", p, f, e }'
+  for log in "$@"; do
+    line=$(grep -E "[0-9]+ (passed|failed|errors?)" "$log" | tail -1); echo "${line:-no summary}"
+  done | awk '/^no summary$/ { m++; next }
+    { for (i = 2; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1);
+      if ($i ~ /^failed/) f += $(i-1); if ($i ~ /^error/) e += $(i-1) } }
+    END { printf "== total: %d passed, %d failed, %d errors, %d logs without a summary\n", p, f, e, m }'
 }
 what="${1:-all}"
 shift || true
