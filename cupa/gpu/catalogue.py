@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..problem import FP8_QUERY_DTYPES, SUPPORTED_HEAD_SIZES
@@ -285,8 +285,7 @@ def all_mma_variants() -> list[DecodeMmaVariant]:
              if h == 8 or d in MMA16_HEAD_SIZES]
     dense = [DecodeMmaVariant(dtype, d, 8, cache, dense=True) for dtype in MMA_DTYPES
              for cache, d in DENSE_KINDS]
-    wide = [DecodeMmaVariant(v.dtype, v.head_size, v.heads, v.cache, wide=True) for v in plain
-            if v.head_size in WIDE_HEAD_SIZES]
+    wide = [replace(v, wide=True) for v in plain if v.head_size in WIDE_HEAD_SIZES]
     return plain + dense + wide
 
 

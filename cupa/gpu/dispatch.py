@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .catalogue import (DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE,
                         MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES,
@@ -250,7 +250,7 @@ def dense_variant(variant, arch: str):
             and not variant.wide and sm_number(arch) >= DENSE_MIN_SM
             and (variant.cache, variant.head_size) in DENSE_KINDS):
         return None
-    return DecodeMmaVariant(variant.dtype, variant.head_size, 8, variant.cache, dense=True)
+    return replace(variant, dense=True)
 
 
 def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
@@ -271,8 +271,7 @@ def wide_variant(variant, rows: int, arch: str):
             and variant.head_size in WIDE_HEAD_SIZES and rows <= 16
             and sm_number(arch) >= WIDE_MIN_SM):
         return None
-    return DecodeMmaVariant(variant.dtype, variant.head_size, variant.heads, variant.cache,
-                            wide=True)
+    return replace(variant, wide=True)
 
 
 def wide_form(variant, rows: int, arch: str):
@@ -298,8 +297,10 @@ def size_form(variant) -> str | None:
     problem's size, or None where no size rule stands between a problem and its variant."""
     if not isinstance(variant, DecodeMmaVariant):
         return None
-    if variant.dense or variant.wide:
-        return "dense" if variant.dense else "wide"
+    if variant.dense:
+        return "dense"
+    if variant.wide:
+        return "wide"
     return "16-row" if variant.heads == 16 else None
 
 
