@@ -11,16 +11,18 @@ computed the same chunks in the same order (0) or not.
     python3 tools/ab_switch.py CUPA_DENSE=always CUPA_DENSE=never --shapes 64x4096,16x16384
     python3 tools/ab_switch.py CUPA_MERGE=cluster CUPA_MERGE=reduce --kv-format fp8_e4m3
     python3 tools/ab_switch.py CUPA_CHAINED_REDUCE=1 CUPA_CHAINED_REDUCE=0 --shapes longtail64
+    python3 tools/ab_switch.py CUPA_STAGED_HEADS=never CUPA_STAGED_HEADS=auto --head-size 96
 
 A shape is BxL or the name of one of the bench's ragged batches (cupa.bench.ragged), which gets
 both length hints as in the bench.
 
 A side is one or more comma-separated NAME=VALUE assignments of the switches read by
 cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE, CUPA_STAGGER,
-CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1); NAME= unsets one. CUPA_PARTITION_SIZE=N is the
-tool's own: that side's plan takes N-token partitions. Compile options compare the same way: a
-plan compiles its kernels when it is made, with CUPA_EXTRA_OPTIONS as they are then, and cupa
-keeps one module per (device, variant, options), so the two sides run two builds of a kernel:
+CUPA_STAGED_HEADS, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1); NAME= unsets one.
+CUPA_PARTITION_SIZE=N is the tool's own: that side's plan takes N-token partitions. Compile
+options compare the same way: a plan compiles its kernels when it is made, with
+CUPA_EXTRA_OPTIONS as they are then, and cupa keeps one module per (device, variant, options),
+so the two sides run two builds of a kernel:
 
     python3 tools/ab_switch.py CUPA_EXTRA_OPTIONS=-DCUPA_MMA_MIN_BLOCKS=3 CUPA_EXTRA_OPTIONS=
 

@@ -67,17 +67,20 @@ def main():
                     *problem(rng, dtype, head_size, group), partition_size=256)
     for head_size in (80, 128):
         run_fp8(f"portable fp8 d{head_size}", *problem(rng, "float16", head_size, 4))
-    os.environ["CUPA_KERNEL"] = "auto"
+    os.environ.update(CUPA_KERNEL="auto", CUPA_STAGED_HEADS="auto")  # heads 80 and 112 too
     for merge in ("reduce", "cluster"):
         os.environ["CUPA_MERGE"] = merge
         dispatch.reload_switches()
         for dtype in ("float16", "bfloat16"):
-            for head_size in (64, 128, 256):
+            # 80 and 192: rows staged at 128 and 256 (catalogue.staged_head_size).
+            for head_size in (64, 80, 128, 192, 256):
                 run(f"tensor cores {dtype} d{head_size} group 8 ({merge})",
                     *problem(rng, dtype, head_size, 8), partition_size=256)
             run(f"tensor cores 16-row {dtype} group 32 ({merge})",
                 *problem(rng, dtype, 128, 32), partition_size=256)
-            run_fp8(f"tensor cores fp8 {dtype} ({merge})", *problem(rng, dtype, 128, 8))
+            for head_size in (112, 128):  # 112: an fp8 row ends mid column block
+                run_fp8(f"tensor cores fp8 {dtype} d{head_size} ({merge})",
+                        *problem(rng, dtype, head_size, 8))
     for chained in ("1", "0"):
         os.environ.update(CUPA_MERGE="reduce", CUPA_CHAINED_REDUCE=chained)
         dispatch.reload_switches()

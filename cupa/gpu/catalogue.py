@@ -157,8 +157,8 @@ SM90_SHARED_PER_SM = 228 * 1024  # shared memory of an H100 / H200 multiprocesso
 
 @dataclass(frozen=True)
 class DecodeMmaVariant(_TwoPhase):
-    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, head sizes 64, 128 and
-    (8-column kernel only) 256.
+    """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, the head sizes of
+    MMA_HEAD_SIZES and MMA_STAGED_HEAD_SIZES (the 16-row kernel: MMA16_HEAD_SIZES).
 
     heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
     of one m-tile per warp (9-64 rows, and chunks of 64 of more). dense: the 8-column kernel's
@@ -189,7 +189,8 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def warp_steps(self) -> int:
         """16-token steps each warp computes side by side per chunk (KvRing::WARP_STEPS)."""
-        return 2 if self.cache and self.head_size == 128 and not self.dense else 1
+        staged = staged_head_size(self.head_size)
+        return 2 if self.cache and staged == 128 and not self.dense else 1
 
     @property
     def threads(self) -> int:
@@ -213,10 +214,10 @@ class DecodeMmaVariant(_TwoPhase):
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
         a chunk of K and V, 64 tokens or 128 for fp8 at head 128; 2 stages when K alone is
         >= 32 KB, 3 when >= 16 KB, else 4, or ring_stages; then twice as many slots of a chunk's
-        int32 block ids), which the warps' merge buffer reuses. The kernel traps if given
-        less."""
+        int32 block ids), which the warps' merge buffer reuses. Rows are staged at
+        staged_head_size. The kernel traps if given less."""
         chunk = 16 * (self.threads // 32) * self.warp_steps
-        kv_bytes = chunk * self.head_size * (1 if self.cache else 2)
+        kv_bytes = chunk * staged_head_size(self.head_size) * (1 if self.cache else 2)
         stages = self.ring_stages or (2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
@@ -246,11 +247,25 @@ class DecodeMmaVariant(_TwoPhase):
 
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_HEAD_SIZES = (64, 128, 256)
+# The other supported head sizes. A tensor-core kernel stages their K/V rows in shared memory at
+# the next of MMA_HEAD_SIZES (staged_head_size) and computes at their own size: whole k16 steps
+# and 16-dim output tiles. Whether they run there is dispatch's CUPA_STAGED_HEADS.
+MMA_STAGED_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d not in MMA_HEAD_SIZES)
 MMA_HEAD_TILES = (8, 16)
 # The 16-row kernel keeps a 16-row tile's query fragments and output accumulators in registers:
-# at head 256 they alone would take 192 registers a thread, so more than 8 rows run there as
-# 8-row chunks of the 8-column kernel (3-7x faster than the portable kernel; docs/perf-log.md v21).
-MMA16_HEAD_SIZES = (64, 128)
+# at head 256 they alone would take 192 registers a thread (144 at 192), so more than 8 rows run
+# there as 8-row chunks of the 8-column kernel (3-7x faster than the portable kernel;
+# docs/perf-log.md v21).
+MMA16_HEAD_SIZES = (64, 80, 96, 112, 128)
+
+
+def staged_head_size(head_size: int) -> int:
+    """The head size a tensor-core kernel stages a K/V row at in shared memory (KvRing's
+    staged_head_size in decode_mma.cu): the next of 64, 128 and 256, so that its swizzle
+    permutes whole 128-byte groups."""
+    return next(size for size in MMA_HEAD_SIZES if head_size <= size)
+
+
 MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes
 # The dense form of the 8-column kernel (CUPA_DECODE_MMA_DENSE_VARIANT in decode_mma.cu): a ring of
 # 3 stages of 64-token chunks, one 16-token step a warp, registers capped by the launch bounds
@@ -280,9 +295,9 @@ def all_decode_variants() -> list[DecodeVariant]:
 
 
 def all_mma_variants() -> list[DecodeMmaVariant]:
-    plain = [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES for d in MMA_HEAD_SIZES
-             for h in MMA_HEAD_TILES for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)
-             if h == 8 or d in MMA16_HEAD_SIZES]
+    plain = [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES
+             for d in MMA_HEAD_SIZES + MMA_STAGED_HEAD_SIZES for h in MMA_HEAD_TILES
+             for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE) if h == 8 or d in MMA16_HEAD_SIZES]
     dense = [DecodeMmaVariant(dtype, d, 8, cache, dense=True) for dtype in MMA_DTYPES
              for cache, d in DENSE_KINDS]
     wide = [replace(v, wide=True) for v in plain if v.head_size in WIDE_HEAD_SIZES]

@@ -3,10 +3,10 @@ are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; t
 each is used.
 
 The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE,
-CUPA_STAGGER, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and benchmarks. They are
-read once, at first use; code that changes them within a process calls `reload_switches()`
-afterwards, or sets them with `set_switches()` (plans made before keep what they were made
-with).
+CUPA_STAGGER, CUPA_STAGED_HEADS, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and
+benchmarks. They are read once, at first use; code that changes them within a process calls
+`reload_switches()` afterwards, or sets them with `set_switches()` (plans made before keep what
+they were made with).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 from .catalogue import (DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE,
                         MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES,
-                        MMA_DTYPES, MMA_HEAD_SIZES, NVIDIA_ONLY_FAMILIES, WIDE_HEAD_SIZES,
+                        MMA_DTYPES, MMA_HEAD_SIZES, MMA_STAGED_HEAD_SIZES,
+                        NVIDIA_ONLY_FAMILIES, WIDE_HEAD_SIZES,
                         WIDE_MIN_SM, DecodeMatrixVariant, DecodeMmaVariant, DecodeVariant,
                         amd_native_fp8, head_tile, matrix_core_family, matrix_tiles, sm_number)
 
@@ -111,6 +112,12 @@ WIDE_MIN_PARTITION_TOKENS = 8192
 WIDE_FORMS = ("auto", "always", "never")
 # CUPA_STAGGER: auto (planner.first_wave_stagger) or never.
 STAGGER_FORMS = ("auto", "never")
+# CUPA_STAGED_HEADS: whether the tensor-core kernels serve the head sizes between 64, 128 and 256
+# (catalogue.MMA_STAGED_HEAD_SIZES: 80, 96, 112, 192), their rows staged at the next of those.
+# never (the portable kernel, as before) until they have run on a GPU: they were written and
+# compiled for sm_80 and sm_90 in a session without device time (docs/perf-log.md v38). The GPU
+# tests run them in every kernel mode (tests/gpu/test_gpu_decode.py KERNEL_MODES).
+STAGED_HEAD_FORMS = ("never", "auto")
 
 
 # Compared and hashed by identity (eq=False): switches() returns one object until
@@ -124,6 +131,7 @@ class Switches:
     dense: str = "auto"           # CUPA_DENSE: auto, always or never (DENSE_FORMS)
     wide: str = "auto"            # CUPA_WIDE: auto, always or never (WIDE_FORMS)
     stagger: str = "auto"         # CUPA_STAGGER: auto or never (STAGGER_FORMS)
+    staged_heads: str = "never"   # CUPA_STAGED_HEADS: never or auto (STAGED_HEAD_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
     chained_phase1: bool = True   # CUPA_CHAINED_PHASE1=0: ordinary phase-1 launches
 
@@ -145,6 +153,7 @@ def switches() -> Switches:
                     dense=_form("CUPA_DENSE", DENSE_FORMS),
                     wide=_form("CUPA_WIDE", WIDE_FORMS),
                     stagger=_form("CUPA_STAGGER", STAGGER_FORMS),
+                    staged_heads=_form("CUPA_STAGED_HEADS", STAGED_HEAD_FORMS),
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0",
                     chained_phase1=os.environ.get("CUPA_CHAINED_PHASE1", "1") != "0")
 
@@ -185,7 +194,9 @@ def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     this target."""
     if switches().kernel == "portable" or sm_number(arch) < MMA_MIN_SM:
         return False
-    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES and rows >= MMA_MIN_GROUP
+    staged = switches().staged_heads == "auto" and head_size in MMA_STAGED_HEAD_SIZES
+    return (dtype in MMA_DTYPES and (head_size in MMA_HEAD_SIZES or staged)
+            and rows >= MMA_MIN_GROUP)
 
 
 def matrix_eligible(dtype: str, head_size: int, arch: str) -> bool:

@@ -31,15 +31,17 @@ def to_gpu(case):
     return [cupy.asarray(x) for x in case.args()], case.options(cupy.asarray)
 
 
-# The kernel modes the tests run, as the dispatch switches that select them.
-KERNEL_MODES = {"auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
-                "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto",
-                                 CUPA_DENSE="auto"),
-                "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always",
-                                   CUPA_DENSE="never"),
-                # The 16-row kernel, the dense and wide forms (dispatch.dense_variant,
-                # wide_variant) on any problem.
-                **dispatch.FORM_SWITCHES}
+# The kernel modes the tests run, as the dispatch switches that select them. Every mode lets the
+# tensor cores serve the staged head sizes (80, 96, 112, 192) whatever their default
+# (dispatch.STAGED_HEAD_FORMS); the portable mode covers the portable kernel there.
+STAGED = dict(CUPA_STAGED_HEADS="auto")
+KERNEL_MODES = {name: {**switches, **STAGED} for name, switches in {
+    "auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
+    "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
+    "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="never"),
+    # The 16-row kernel, the dense and wide forms (dispatch.dense_variant, wide_variant) on
+    # any problem.
+    **dispatch.FORM_SWITCHES}.items()}
 
 
 def kernel_modes(case, kv_format=None):
@@ -61,10 +63,11 @@ def kernel_modes(case, kv_format=None):
         rows *= int(np.diff(case.query_start_loc).max())
     dtype = np.dtype(case.query.dtype).name
     arch = device_info().target.arch
-    mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
-    eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
+    with dispatch.switches_set(STAGED):
+        mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
+        eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
+        own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
     dense = ("dense",) if mma and dispatch.dense_variant(eight, arch) is not None else ()
-    own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
     wide = ("wide",) if mma and dispatch.wide_variant(own, rows, arch) is not None else ()
     if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
         return ("16-row", "row-chunks", *dense, *wide, "portable")

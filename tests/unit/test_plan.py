@@ -48,6 +48,27 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
     assert dispatch.decode_variant(dtype, head_size, group, arch).partition_name == expected
 
 
+@pytest.mark.parametrize("dtype, head_size, rows, arch, fmt, expected", [
+    ("float16", 96, 3, "sm_90", None, "cupa_decode_mma8_f16_d96"),
+    ("bfloat16", 80, 16, "sm_80", None, "cupa_decode_mma16_bf16_d80"),
+    ("float16", 112, 32, "sm_90", None, "cupa_decode_mma16_f16_d112"),
+    ("float16", 192, 16, "sm_90", None, "cupa_decode_mma8_f16_d192"),  # no 16-row kernel
+    ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_mma8_bf16kv8fn_d96"),
+    ("float16", 192, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d192"),
+    ("float16", 96, 4, "sm_75", None, "cupa_decode_f16_d96_h4"),       # below sm_80: portable
+    ("float16", 96, 4, "gfx942", None, "cupa_decode_f16_d96_h4"),      # AMD: portable
+])
+def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, arch, fmt,
+                                               expected):
+    """CUPA_STAGED_HEADS=auto: heads 80, 96, 112 and 192 on the tensor-core kernels (rows staged
+    at 128 or 256), the 16-row one up to 112; the default leaves them to the portable kernel."""
+    switch("CUPA_STAGED_HEADS", "auto")
+    assert dispatch.decode_variant(dtype, head_size, rows, arch, fmt).partition_name == expected
+    switch("CUPA_STAGED_HEADS", "never")
+    assert isinstance(dispatch.decode_variant(dtype, head_size, rows, arch, fmt),
+                      catalogue.DecodeVariant)
+
+
 @pytest.mark.parametrize("dtype, head_size, rows, arch, fmt, expected, power", [
     # OCP e4m3 on sm_89+: hardware conversion, exact values (power 1)
     ("float16", 128, 8, "sm_90", "fp8_e4m3", "cupa_decode_mma8_f16kv8fn_d128", 1),
@@ -82,8 +103,8 @@ SHARED_PER_SM = {"sm_80": (167936, 166912), "sm_90": (233472, 232448)}
 @pytest.mark.parametrize("arch", list(SHARED_PER_SM))
 def test_tensor_core_kernels_fit_their_shared_memory(arch):
     """The K/V ring must fit: as many workgroups per multiprocessor on sm_90 as the planner aims
-    at (two; one for the 16-bit head-256 kernels and the wide forms, which exist from sm_90), at
-    least one on sm_80; the merge buffer reuses it."""
+    at (two; one for the 16-bit head-192 and head-256 kernels and the wide forms, which exist
+    from sm_90), at least one on sm_80; the merge buffer reuses it."""
     per_sm, per_block = SHARED_PER_SM[arch]
     variants = [v for v in catalogue.all_variants(arch)
                 if isinstance(v, catalogue.DecodeMmaVariant)]
@@ -92,7 +113,8 @@ def test_tensor_core_kernels_fit_their_shared_memory(arch):
         assert 0 < v.shared_bytes <= per_block, v
         if arch == "sm_90":  # + 1 KB reserved per workgroup
             assert v.workgroups_per_sm * (v.shared_bytes + 1024) <= per_sm, v
-            one = v.wide or (v.head_size == 256 and not v.cache)
+            staged = catalogue.staged_head_size(v.head_size)  # 192 is staged at 256
+            one = v.wide or (staged == 256 and not v.cache)
             assert v.workgroups_per_sm == (1 if one else 2), v
         head_rows = 8 if v.heads == 8 else 16
         warps = v.threads // 32

@@ -104,7 +104,9 @@ template <typename C, int D, bool K_ROWS_INNER, int DENSE_STAGES = 0>
 struct KvStep {
     typedef KvRing<C, D, DENSE_STAGES> R;
     typedef Frag<C> F;
-    static constexpr int BLOCKS = R::ROW_BYTES / 32;  // 32-byte column blocks of a row
+    // 32-byte column blocks that hold the row (a half block of fp8 at head 80 or 112 loads a
+    // unit past the row, which no operand takes).
+    static constexpr int BLOCKS = (D * (int)sizeof(C) + 31) / 32;
     u32 k[BLOCKS][4], v[BLOCKS][4];
 
     // A lane's byte offsets from a step's first row for column blocks j = 0..3 (K, then V);

@@ -140,8 +140,8 @@ CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE
     constexpr int GROUPS = D / 4;  // 4-column groups of a row
     __shared__ float row_m[MAX_ROWS], row_l[MAX_ROWS];  // the cluster merge's inputs
     const bool in_cluster = cluster_merge && !w.writes_output;
-    int tpr = GROUPS;
-    while (tpr > 1 && tpr * w.nh > CUPA_THREADS) tpr >>= 1;
+    int tpr = 1;  // a power of two (first_group masks with it), at most GROUPS
+    while (2 * tpr <= GROUPS && 2 * tpr * w.nh <= CUPA_THREADS) tpr <<= 1;
     const int first_group = threadIdx.x & (tpr - 1);
     for (int r = threadIdx.x / tpr; r < w.nh; r += CUPA_THREADS / tpr) {
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;

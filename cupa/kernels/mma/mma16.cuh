@@ -21,7 +21,7 @@ CUPA_FN void decode_partition_mma16(
     constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
     constexpr int KSTEPS = D / 16;          // k16 steps of the head dim
     constexpr int NT = D / 8;               // dim tiles = n-tiles of the output
-    static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
+    static_assert(D % 16 == 0 && D <= 256, "whole k16 steps; rows staged as KvRing says");
 
     CUPA_PHASE_STAMP(PHASE_START);
     extern __shared__ cupa_u32x4 dynamic_shared[];

@@ -27,7 +27,7 @@ CUPA_FN void decode_partition_mma8(
     constexpr int STEP = 16;
     constexpr int KSTEPS = D / 16;
     constexpr int MT = D / 16;              // m-tiles of the output (head-dim rows)
-    static_assert(D % 64 == 0, "mma decode handles head sizes that are multiples of 64");
+    static_assert(D % 16 == 0 && D <= 256, "whole k16 steps; rows staged as KvRing says");
     constexpr int WS = R::WARP_STEPS;       // steps per warp and chunk
     constexpr bool V_LATE = D > 128;
     static_assert(R::CHUNK == NWARPS * WS * STEP, "WS steps per warp and chunk");

@@ -37,6 +37,15 @@ CUPA_FN u32 dynamic_shared_bytes() {
 }
 
 
+// The head size a K/V row is staged at: the next of 64, 128 and 256. A head size between them
+// (80, 96, 112, 192) is copied into the first D * sizeof(C) bytes of a row of that size, so the
+// swizzle below permutes whole groups of 8 units. The units past D are never copied, and no
+// operand takes them: the warps compute D / 16 k16 steps and D / 16 output m-tiles.
+// catalogue.staged_head_size mirrors it.
+__host__ __device__ constexpr int staged_head_size(int d) {
+    return d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
+
 // Layout of one stage: K rows, then V rows (CHUNK rows of ROW_BYTES each). After the stages:
 // ID_SLOTS slots of CHUNK block ids (the block of each token of a chunk), which arrive by
 // cp.async STAGES - 1 chunks ahead of the K/V copies that need them and also tell the warps
@@ -46,14 +55,19 @@ CUPA_FN u32 dynamic_shared_bytes() {
 template <typename C, int D, int DENSE_STAGES = 0>
 struct KvRing {
     // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
-    // at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and softmax
-    // reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit step's
-    // work for half the bytes), else one. (At head 64 the larger ring cost the fp8 kernel its
-    // fifth workgroup per multiprocessor: slower where the grid needed them, docs/perf-log.md v12.)
-    static constexpr int WARP_STEPS = DENSE_STAGES == 0 && sizeof(C) == 1 && D == 128 ? 2 : 1;
+    // staged at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and
+    // softmax reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit
+    // step's work for half the bytes), else one. (At head 64 the larger ring cost the fp8
+    // kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
+    // docs/perf-log.md v12.)
+    static constexpr int STAGED_D = staged_head_size(D);
+    static constexpr int WARP_STEPS =
+        DENSE_STAGES == 0 && sizeof(C) == 1 && STAGED_D == 128 ? 2 : 1;
     static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
-    static constexpr int ROW_BYTES = D * (int)sizeof(C);
-    static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per K/V row
+    static constexpr int ROW_BYTES = STAGED_D * (int)sizeof(C);
+    static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per staged K/V row
+    static constexpr int COPY_UNITS = D * (int)sizeof(C) / 16;  // those the row fills
+    static_assert(D * (int)sizeof(C) % 16 == 0 && D % 16 == 0, "whole k16 steps and units");
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;
     // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
@@ -97,10 +111,10 @@ struct KvRing {
 };
 
 // The copy side of the ring. Thread i copies unit i % UNITS of rows i / UNITS + p * ROWS_PER_PASS
-// of each chunk (a warp covers whole rows: coalesced). The block ids a chunk's copies need come
-// from the ring's id slots, themselves filled by cp.async: those of chunk k travel in the copy
-// group of chunk k - STAGES + 1, so they have landed when the wait for that chunk returns, and no
-// copy ever waits on a block-table read.
+// of each chunk (a warp covers whole rows: coalesced), if that unit holds part of the row
+// (COPY_UNITS). The block ids a chunk's copies need come from the ring's id slots, themselves
+// filled by cp.async: those of chunk k travel in the copy group of chunk k - STAGES + 1, so they
+// have landed when the wait for that chunk returns, and no copy ever waits on a block-table read.
 //   groups: [ids 0 .. 2S-3] (waited for in begin), then G_j = {K/V of chunk j, ids of j + S - 1}
 //   stage(i): wait for G_0 .. G_i, copy chunk i + S - 1 (its ids came with G_i), ids of i + 2S - 2
 //   id slot of chunk k: k % 2S; its previous chunk k - 2S was computed on before the barrier of
@@ -145,6 +159,7 @@ struct KvStream {
         const int r0 = threadIdx.x / R::UNITS;
         const i32* ids = id_slot(chunk) + r0;
         const int t0 = start + chunk * R::CHUNK + r0;
+        if (R::COPY_UNITS < R::UNITS && (int)threadIdx.x % R::UNITS >= R::COPY_UNITS) return;
 #pragma unroll
         for (int p = 0; p < R::PASSES; ++p) {
             const i32 id = ids[p * R::ROWS_PER_PASS];
