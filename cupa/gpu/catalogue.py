@@ -256,7 +256,7 @@ MMA_HEAD_TILES = (8, 16)
 # at head 256 they alone would take 192 registers a thread (144 at 192), so more than 8 rows run
 # there as 8-row chunks of the 8-column kernel (3-7x faster than the portable kernel;
 # docs/perf-log.md v21).
-MMA16_HEAD_SIZES = (64, 80, 96, 112, 128)
+MMA16_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d <= 128)
 
 
 def staged_head_size(head_size: int) -> int:

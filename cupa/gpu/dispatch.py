@@ -192,9 +192,10 @@ def switches_set(values: dict):
 def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
     this target."""
-    if switches().kernel == "portable" or sm_number(arch) < MMA_MIN_SM:
+    chosen = switches()
+    if chosen.kernel == "portable" or sm_number(arch) < MMA_MIN_SM:
         return False
-    staged = switches().staged_heads == "auto" and head_size in MMA_STAGED_HEAD_SIZES
+    staged = chosen.staged_heads == "auto" and head_size in MMA_STAGED_HEAD_SIZES
     return (dtype in MMA_DTYPES and (head_size in MMA_HEAD_SIZES or staged)
             and rows >= MMA_MIN_GROUP)
 
