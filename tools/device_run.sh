@@ -116,6 +116,7 @@ head256_group16 --head-size 256 --heads 64 --kv-heads 4
 head96 --head-size 96
 head80_mha --head-size 80 --heads 32 --kv-heads 32
 head192 --head-size 192
+head112 --head-size 112
 CONFIGS
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

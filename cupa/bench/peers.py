@@ -46,11 +46,22 @@ def flashinfer_page_arrays(block_tables: np.ndarray, seq_lens, block_size: int):
     return indptr, indices, last
 
 
+# The head sizes FlashInfer's paged decode is asked for. Version 0.7.2 on the H200 (session 33,
+# one process per case): at 80 (MHA) and 96 (GQA 8) its first run faulted with
+# CUDA_ERROR_ILLEGAL_ADDRESS, which leaves the process's CUDA context unusable, so no try/except
+# can keep the bench going; at 192 it raises cleanly where its plan splits the KV (its merge
+# lacks that size) and matches cupa elsewhere.
+FLASHINFER_HEAD_SIZES = (64, 128, 192, 256)
+
+
 def flashinfer_peer(cupy, query, key, value, tables_np, seq_lens, args, fp8_scale=None):
     """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, HND) on the same pages, for
     lengths `seq_lens` (one int for all, or one per sequence, from which its plan() chooses the
     KV split); with fp8_scale, the pages are e4m3 codes (uint8 viewed as torch.float8_e4m3fn) of
     that scale."""
+    if args.head_size not in FLASHINFER_HEAD_SIZES:
+        raise ValueError(f"head size {args.head_size} is not asked of FlashInfer (it faulted at "
+                         f"80 and 96; asked at {FLASHINFER_HEAD_SIZES})")
     try:
         import flashinfer
         import torch

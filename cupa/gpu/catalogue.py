@@ -153,6 +153,18 @@ class DecodeVariant(_TwoPhase):
 
 
 SM90_SHARED_PER_SM = 228 * 1024  # shared memory of an H100 / H200 multiprocessor
+# The most dynamic shared memory one workgroup may opt in to, by NVIDIA compute capability (CUDA
+# C++ Programming Guide, technical specifications per compute capability): 163 KB on sm_80 and
+# sm_87, 99 KB on sm_86, sm_89 and sm_120 (consumer Ampere, Ada and Blackwell), 227 KB on sm_90,
+# sm_100 and sm_103. A larger ring fails to launch there, so dispatch never picks one
+# (dispatch.fits_shared_memory); an sm this table lacks gets the least of them.
+SHARED_OPT_IN_BYTES = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
+                       103: 232448, 120: 101376}
+
+
+def shared_opt_in_bytes(arch: str) -> int:
+    """SHARED_OPT_IN_BYTES for an NVIDIA target ('sm_90'), the least of them for others."""
+    return SHARED_OPT_IN_BYTES.get(sm_number(arch), min(SHARED_OPT_IN_BYTES.values()))
 
 
 @dataclass(frozen=True)
@@ -163,7 +175,8 @@ class DecodeMmaVariant(_TwoPhase):
     heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
     of one m-tile per warp (9-64 rows, and chunks of 64 of more). dense: the 8-column kernel's
     dense form (DENSE_RING), for the (cache, head size) pairs of DENSE_KINDS. wide: either
-    kernel's wide form (WIDE_RING), at WIDE_HEAD_SIZES from WIDE_MIN_SM.
+    kernel's wide form (WIDE_RING), at WIDE_HEAD_SIZES from WIDE_MIN_SM. deep: the 8-column
+    kernel's deep form (DEEP_RING), for the pairs of DEEP_KINDS from DEEP_MIN_SM.
     """
 
     dtype: str
@@ -172,6 +185,7 @@ class DecodeMmaVariant(_TwoPhase):
     cache: str | None = None
     dense: bool = False
     wide: bool = False
+    deep: bool = False
     source_file = "decode_mma.cu"
     # Aim for one wave of long partitions, about 2 workgroups a multiprocessor (the shared-memory
     # ring of a float16 head-128 workgroup is 98 KB). Shorter partitions and more waves were
@@ -183,7 +197,7 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def workgroups_per_sm(self) -> int:
         """2, or 1 where the ring alone takes over half of an sm_90 multiprocessor's 228 KB of
-        shared memory (float16 / bfloat16 at head 256: 129 KB)."""
+        shared memory (a 16-bit cache staged at head 256: 129 KB, 194 KB in the deep form)."""
         return 1 if self.shared_bytes > SM90_SHARED_PER_SM // 2 else 2
 
     @property
@@ -199,15 +213,17 @@ class DecodeMmaVariant(_TwoPhase):
 
     @property
     def min_sm(self) -> int:
-        """The first sm the variant exists for: the wide form's ring needs sm_90's shared
-        memory."""
-        return WIDE_MIN_SM if self.wide else NVIDIA_ONLY_FAMILIES["decode_mma"]
+        """The first sm the variant exists for: the wide and deep forms' rings need sm_90's
+        shared memory."""
+        return (WIDE_MIN_SM if self.wide else DEEP_MIN_SM if self.deep
+                else NVIDIA_ONLY_FAMILIES["decode_mma"])
 
     @property
     def ring_stages(self) -> int:
         """The stages the kernel's ring is given (KvRing's DENSE_STAGES or CUPA_RING_STAGES):
-        the dense or wide form's, or 0 for the rule of KvRing (see shared_bytes)."""
-        return DENSE_RING["stages"] if self.dense else WIDE_RING["stages"] if self.wide else 0
+        the dense, wide or deep form's, or 0 for the rule of KvRing (see shared_bytes)."""
+        return (DENSE_RING["stages"] if self.dense else WIDE_RING["stages"] if self.wide
+                else DEEP_RING["stages"] if self.deep else 0)
 
     @property
     def shared_bytes(self) -> int:
@@ -230,7 +246,7 @@ class DecodeMmaVariant(_TwoPhase):
 
     @property
     def partition_name(self) -> str:
-        form = "_dense" if self.dense else "_wide" if self.wide else ""
+        form = "_dense" if self.dense else "_wide" if self.wide else "_deep" if self.deep else ""
         return f"cupa_decode_mma{self.heads}_{self.tag}_d{self.head_size}{form}"
 
     def instantiations(self) -> list[str]:
@@ -284,6 +300,17 @@ DENSE_KINDS = ((None, 64), (FP8_E4M3_NATIVE, 128))
 WIDE_RING = {"threads": 256, "stages": 3}
 WIDE_HEAD_SIZES = (128,)
 WIDE_MIN_SM = 90
+# The deep form of the 8-column kernel where a 16-bit cache's rows are staged at head 256 (heads
+# 192 and 256): a ring of 3 stages of 64 KB instead of KvRing's 2 (194 KB, where sm_80 gives a
+# workgroup 163 KB; DEEP_MIN_SM), so two chunks are in flight while the warps compute, not one.
+# Still one workgroup a multiprocessor. H200, GPU time, rule -> deep (docs/perf-log.md v39):
+# head 192 1.06-1.26x faster (16 x 16384 475.1 -> 376.0 us), head 256 1.01-1.05x (64 x 4096
+# 519.6 -> 499.2), head 256 at group 16 (row chunks) 1.07-1.24x (1 x 32768 68.2 -> 55.0). It
+# serves wherever it exists (dispatch.deep_variant).
+DEEP_RING = {"stages": 3}
+DEEP_KINDS = tuple((None, d) for d in MMA_HEAD_SIZES + MMA_STAGED_HEAD_SIZES
+                   if staged_head_size(d) == 256)
+DEEP_MIN_SM = 90
 
 
 def all_decode_variants() -> list[DecodeVariant]:
@@ -301,7 +328,9 @@ def all_mma_variants() -> list[DecodeMmaVariant]:
     dense = [DecodeMmaVariant(dtype, d, 8, cache, dense=True) for dtype in MMA_DTYPES
              for cache, d in DENSE_KINDS]
     wide = [replace(v, wide=True) for v in plain if v.head_size in WIDE_HEAD_SIZES]
-    return plain + dense + wide
+    deep = [replace(v, deep=True) for v in plain
+            if v.heads == 8 and (v.cache, v.head_size) in DEEP_KINDS]
+    return plain + dense + wide + deep
 
 
 # AMD matrix cores (decode_matrix.cu): the processors with a 16x16x16 f16/bf16 instruction of
@@ -411,10 +440,10 @@ def expanded_source(filename: str) -> str:
 
 def module_defines(variant) -> tuple:
     """The compile-time constants of a variant's module, (name, value) pairs defined at the top
-    of its source: the workgroup's threads (CUPA_THREADS), and a wide form's ring stages
-    (CUPA_RING_STAGES; 0: KvRing's rule)."""
-    return (("CUPA_THREADS", getattr(variant, "threads", THREADS)),
-            ("CUPA_RING_STAGES", WIDE_RING["stages"] if getattr(variant, "wide", False) else 0))
+    of its source: the workgroup's threads (CUPA_THREADS), and a wide or deep form's ring stages
+    (CUPA_RING_STAGES; 0: KvRing's rule; a dense form's come as a template argument)."""
+    stages = 0 if getattr(variant, "dense", False) else getattr(variant, "ring_stages", 0)
+    return (("CUPA_THREADS", getattr(variant, "threads", THREADS)), ("CUPA_RING_STAGES", stages))
 
 
 def module_source(variant) -> str:

@@ -3,10 +3,10 @@ are merged and chained. The catalogue (`cupa.gpu.catalogue`) says what exists; t
 each is used.
 
 The environment switches (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE,
-CUPA_STAGGER, CUPA_STAGED_HEADS, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for tests and
-benchmarks. They are read once, at first use; code that changes them within a process calls
-`reload_switches()` afterwards, or sets them with `set_switches()` (plans made before keep what
-they were made with).
+CUPA_DEEP, CUPA_STAGGER, CUPA_STAGED_HEADS, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1) are for
+tests and benchmarks. They are read once, at first use; code that changes them within a process
+calls `reload_switches()` afterwards, or sets them with `set_switches()` (plans made before keep
+what they were made with).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import functools
 import os
 from dataclasses import dataclass, replace
 
-from .catalogue import (DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE, FP8_E4M3_NATIVE,
-                        MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER, MMA16_HEAD_SIZES,
-                        MMA_DTYPES, MMA_HEAD_SIZES, MMA_STAGED_HEAD_SIZES,
+from .catalogue import (DEEP_KINDS, DEEP_MIN_SM, DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE,
+                        FP8_E4M3_NATIVE, MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER,
+                        MMA16_HEAD_SIZES, MMA_DTYPES, MMA_HEAD_SIZES, MMA_STAGED_HEAD_SIZES,
                         NVIDIA_ONLY_FAMILIES, WIDE_HEAD_SIZES,
                         WIDE_MIN_SM, DecodeMatrixVariant, DecodeMmaVariant, DecodeVariant,
-                        amd_native_fp8, head_tile, matrix_core_family, matrix_tiles, sm_number)
+                        amd_native_fp8, head_tile, matrix_core_family, matrix_tiles,
+                        shared_opt_in_bytes, sm_number)
 
 MMA_MIN_SM = NVIDIA_ONLY_FAMILIES["decode_mma"]
 # Query heads per KV head from which the tensor-core kernels are used. Even plain MHA (one head
@@ -110,14 +111,18 @@ DENSE_FORMS = ("auto", "always", "never")
 WIDE_MIN_PARTITION_TOKENS = 8192
 # CUPA_WIDE: auto (the rule above), always (wherever the wide form exists) or never.
 WIDE_FORMS = ("auto", "always", "never")
+# CUPA_DEEP: auto (the deep form wherever it exists: catalogue.DEEP_RING) or never (KvRing's
+# 2-stage ring, sm_80's, which the GPU tests run on sm_90 this way).
+DEEP_FORMS = ("auto", "never")
 # CUPA_STAGGER: auto (planner.first_wave_stagger) or never.
 STAGGER_FORMS = ("auto", "never")
 # CUPA_STAGED_HEADS: whether the tensor-core kernels serve the head sizes between 64, 128 and 256
-# (catalogue.MMA_STAGED_HEAD_SIZES: 80, 96, 112, 192), their rows staged at the next of those.
-# never (the portable kernel, as before) until they have run on a GPU: they were written and
-# compiled for sm_80 and sm_90 in a session without device time (docs/perf-log.md v38). The GPU
-# tests run them in every kernel mode (tests/gpu/test_gpu_decode.py KERNEL_MODES).
-STAGED_HEAD_FORMS = ("never", "auto")
+# (catalogue.MMA_STAGED_HEAD_SIZES: 80, 96, 112, 192), their rows staged at the next of those:
+# auto (they do) or never (the portable kernel). Measured on the H200 (docs/perf-log.md v38,
+# tools/ab_switch.py, GPU time at 1 x 4096 .. 16 x 16384): the portable kernel's time over theirs
+# is 2.6-5.8x at GQA 8 heads 96 and 112, 2.2-4.6x at head 80, 2.8-7.7x at head 192, 4.1-6.0x
+# with an fp8 cache at head 96 and 1.30-1.47x at MHA head 80: never loses.
+STAGED_HEAD_FORMS = ("auto", "never")
 
 
 # Compared and hashed by identity (eq=False): switches() returns one object until
@@ -130,8 +135,9 @@ class Switches:
     row_chunks: str = "auto"      # CUPA_ROW_CHUNKS: auto, always or never (ROW_CHUNK_FORMS)
     dense: str = "auto"           # CUPA_DENSE: auto, always or never (DENSE_FORMS)
     wide: str = "auto"            # CUPA_WIDE: auto, always or never (WIDE_FORMS)
+    deep: str = "auto"            # CUPA_DEEP: auto or never (DEEP_FORMS)
     stagger: str = "auto"         # CUPA_STAGGER: auto or never (STAGGER_FORMS)
-    staged_heads: str = "never"   # CUPA_STAGED_HEADS: never or auto (STAGED_HEAD_FORMS)
+    staged_heads: str = "auto"    # CUPA_STAGED_HEADS: auto or never (STAGED_HEAD_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
     chained_phase1: bool = True   # CUPA_CHAINED_PHASE1=0: ordinary phase-1 launches
 
@@ -152,6 +158,7 @@ def switches() -> Switches:
                     row_chunks=_form("CUPA_ROW_CHUNKS", ROW_CHUNK_FORMS),
                     dense=_form("CUPA_DENSE", DENSE_FORMS),
                     wide=_form("CUPA_WIDE", WIDE_FORMS),
+                    deep=_form("CUPA_DEEP", DEEP_FORMS),
                     stagger=_form("CUPA_STAGGER", STAGGER_FORMS),
                     staged_heads=_form("CUPA_STAGED_HEADS", STAGED_HEAD_FORMS),
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0",
@@ -255,14 +262,38 @@ def runs_as_row_chunks(variant, rows: int, seq_kv_heads: int, kv_bytes: int,
     return chunks * kv_bytes <= limit * multiprocessors
 
 
+def fits_shared_memory(variant, arch: str) -> bool:
+    """Whether a workgroup of `variant` gets its dynamic shared memory on this target
+    (catalogue.SHARED_OPT_IN_BYTES; the kernels with more than the default 48 KB are NVIDIA's)."""
+    return getattr(variant, "shared_bytes", 0) <= shared_opt_in_bytes(arch)
+
+
+def form_that_fits(variant, arch: str, **form):
+    """replace(variant, **form) (dense=True, ...) if its workgroup gets its shared memory on
+    this target, else None."""
+    formed = replace(variant, **form)
+    return formed if fits_shared_memory(formed, arch) else None
+
+
+def plain_form(variant) -> bool:
+    """Whether `variant` is a tensor-core variant in none of its forms (dense, wide, deep)."""
+    return (isinstance(variant, DecodeMmaVariant)
+            and not (variant.dense or variant.wide or variant.deep))
+
+
+def eight_column_form(variant, arch: str, kinds, min_sm: int, **form):
+    """A form of an 8-column `variant` (dense=True, deep=True) if it exists on this target: for
+    the (cache, head size) pairs of `kinds`, from `min_sm`, where it fits; else None."""
+    if not (plain_form(variant) and variant.heads == 8 and sm_number(arch) >= min_sm
+            and (variant.cache, variant.head_size) in kinds):
+        return None
+    return form_that_fits(variant, arch, **form)
+
+
 def dense_variant(variant, arch: str):
     """The dense form of `variant` if it exists on this target (DENSE_KINDS, from DENSE_MIN_SM),
     whatever the switches say, else None."""
-    if not (isinstance(variant, DecodeMmaVariant) and variant.heads == 8 and not variant.dense
-            and not variant.wide and sm_number(arch) >= DENSE_MIN_SM
-            and (variant.cache, variant.head_size) in DENSE_KINDS):
-        return None
-    return replace(variant, dense=True)
+    return eight_column_form(variant, arch, DENSE_KINDS, DENSE_MIN_SM, dense=True)
 
 
 def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
@@ -279,11 +310,16 @@ def wide_variant(variant, rows: int, arch: str):
     """The wide form of `variant` for `rows` query rows per KV head if it exists on this target
     (WIDE_HEAD_SIZES, up to one tile of 16 rows, from WIDE_MIN_SM), whatever the switches say,
     else None."""
-    if not (isinstance(variant, DecodeMmaVariant) and not variant.dense and not variant.wide
-            and variant.head_size in WIDE_HEAD_SIZES and rows <= 16
+    if not (plain_form(variant) and variant.head_size in WIDE_HEAD_SIZES and rows <= 16
             and sm_number(arch) >= WIDE_MIN_SM):
         return None
-    return replace(variant, wide=True)
+    return form_that_fits(variant, arch, wide=True)
+
+
+def deep_variant(variant, arch: str):
+    """The deep form of `variant` if it exists on this target (DEEP_KINDS, from DEEP_MIN_SM),
+    whatever the switches say, else None."""
+    return eight_column_form(variant, arch, DEEP_KINDS, DEEP_MIN_SM, deep=True)
 
 
 def wide_form(variant, rows: int, arch: str):
@@ -323,11 +359,19 @@ def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
     never the AMD matrix-core kernel (one that failed its first-use check here)."""
     cache = None if kv_format is None else FP8_CACHE
     if mma_eligible(dtype, head_size, rows, arch):
-        if kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM:
-            cache = FP8_E4M3_NATIVE
+        native = kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM
         # Head sizes the 16-row kernel lacks take more rows in row chunks of the 8-column one.
         sixteen = rows > 8 and head_size in MMA16_HEAD_SIZES
-        return DecodeMmaVariant(dtype, head_size, 16 if sixteen else 8, cache)
+        variant = DecodeMmaVariant(dtype, head_size, 16 if sixteen else 8,
+                                   FP8_E4M3_NATIVE if native else cache)
+        # The deep form serves wherever it exists: no problem size was measured slower on it.
+        deep = deep_variant(variant, arch) if switches().deep == "auto" else None
+        if deep is not None:
+            return deep
+        if fits_shared_memory(variant, arch):
+            return variant
+        # Too little shared memory for its ring (a 16-bit cache at head 192 or 256 on sm_86,
+        # sm_89 or sm_120): the portable kernel.
     if matrix_cores and matrix_eligible(dtype, head_size, arch):
         if kv_format is not None and kv_format == amd_native_fp8(arch):
             cache = FP8_AMD_NATIVE  # the target's own fp8 conversion

@@ -31,17 +31,17 @@ def to_gpu(case):
     return [cupy.asarray(x) for x in case.args()], case.options(cupy.asarray)
 
 
-# The kernel modes the tests run, as the dispatch switches that select them. Every mode lets the
-# tensor cores serve the staged head sizes (80, 96, 112, 192) whatever their default
-# (dispatch.STAGED_HEAD_FORMS); the portable mode covers the portable kernel there.
-STAGED = dict(CUPA_STAGED_HEADS="auto")
-KERNEL_MODES = {name: {**switches, **STAGED} for name, switches in {
+# The kernel modes the tests run, as the dispatch switches that select them.
+KERNEL_MODES = {
     "auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
     "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
     "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="never"),
+    # KvRing's 2-stage ring where the deep form serves by default (sm_80's at heads 192, 256).
+    "shallow": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto",
+                    CUPA_DEEP="never"),
     # The 16-row kernel, the dense and wide forms (dispatch.dense_variant, wide_variant) on
     # any problem.
-    **dispatch.FORM_SWITCHES}.items()}
+    **dispatch.FORM_SWITCHES}
 
 
 def kernel_modes(case, kv_format=None):
@@ -51,7 +51,9 @@ def kernel_modes(case, kv_format=None):
     checked in its place. Where the 8-column kernel has a dense form (catalogue.DENSE_KINDS, for
     the case's cache: 16-bit, or kv_format's fp8 codes), 'auto' picks it or the default form by
     the grid's size: both are checked, and so is the wide form where one exists (head 128, up
-    to 16 rows, sm_90), which 'auto' picks for long partitions. CUPA_TEST_KERNEL_MODES=auto
+    to 16 rows, sm_90), which 'auto' picks for long partitions. Where 'auto' picks the deep form
+    (catalogue.DEEP_KINDS, sm_90), the 2-stage ring sm_80 runs is checked too ('shallow').
+    CUPA_TEST_KERNEL_MODES=auto
     checks 'auto' alone (tools/device_run.sh emulated: its portable pairs cover the portable
     kernel). Names for KERNEL_MODES."""
     if os.environ.get("CUPA_TEST_KERNEL_MODES") == "auto":
@@ -63,16 +65,16 @@ def kernel_modes(case, kv_format=None):
         rows *= int(np.diff(case.query_start_loc).max())
     dtype = np.dtype(case.query.dtype).name
     arch = device_info().target.arch
-    with dispatch.switches_set(STAGED):
-        mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
-        eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
-        own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
+    mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
+    eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
+    own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
     dense = ("dense",) if mma and dispatch.dense_variant(eight, arch) is not None else ()
     wide = ("wide",) if mma and dispatch.wide_variant(own, rows, arch) is not None else ()
+    shallow = ("shallow",) if mma and getattr(eight, "deep", False) else ()
     if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
         return ("16-row", "row-chunks", *dense, *wide, "portable")
     if mma:
-        return ("auto", *dense, *wide, "portable")
+        return ("auto", *dense, *wide, *shallow, "portable")
     return ("auto", "portable") if dispatch.matrix_eligible(dtype, head_size, arch) else ("auto",)
 
 

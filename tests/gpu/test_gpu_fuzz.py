@@ -52,6 +52,7 @@ class Draw:
     kernel: str
     dense: str  # CUPA_DENSE
     wide: str  # CUPA_WIDE
+    deep: str  # CUPA_DEEP
     host_arrays: bool
     form: str  # "decode", "plan" or "graph"
     seed: int
@@ -94,7 +95,8 @@ def draw(rng) -> Draw:
                 dense=str(rng.choice(["auto", "always"])), host_arrays=rng.random() < 0.2,
                 form=str(rng.choice(["decode", "plan", "graph"], p=[0.6, 0.3, 0.1])),
                 seed=int(rng.integers(2**31)),
-                wide=str(rng.choice(["auto", "always"])))  # drawn last: earlier draws unchanged
+                wide=str(rng.choice(["auto", "always"])),  # drawn after the rest: earlier
+                deep=str(rng.choice(["auto", "never"])))   # draws unchanged
 
 
 def run_draw(d: Draw):
@@ -120,7 +122,8 @@ def run_draw(d: Draw):
     args = [move(x) for x in (q, k, v, tables, lens)]
     device_options = case.options(move)
     lse = None
-    with environ(CUPA_KERNEL=d.kernel, CUPA_MERGE=d.merge, CUPA_DENSE=d.dense, CUPA_WIDE=d.wide):
+    with environ(CUPA_KERNEL=d.kernel, CUPA_MERGE=d.merge, CUPA_DENSE=d.dense, CUPA_WIDE=d.wide,
+                 CUPA_DEEP=d.deep):
         if d.form == "decode":  # into a poisoned `out` (decode's own lse is not poisoned)
             out = cupa.decode(*args, **device_options, **fp8, partition_size=d.partition_size,
                               out=move(np.full(q.shape, np.nan, q.dtype)))

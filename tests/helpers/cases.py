@@ -205,7 +205,6 @@ def rel_error(out, ref) -> float:
 
 def environ(**values):
     """Environment variables set for the block and restored after it; the dispatch switches
-    (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE, CUPA_CHAINED_REDUCE,
-    CUPA_CHAINED_PHASE1) are read again on entry and on exit."""
+    (cupa.gpu.dispatch's CUPA_* variables) are read again on entry and on exit."""
     from cupa.gpu import dispatch
     return dispatch.switches_set(values)

@@ -180,13 +180,13 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
     steps per warp (the planner and the launch use them), the catalogue the largest cluster and
     validation the block sizes a cache may have; the kernel source states them again (KvRing,
     mma_shared_bytes). NVRTC checks that both say the same, for every variant, each in a module
-    of its own defines (catalogue.module_defines: the wide forms' threads and ring stages;
+    of its own defines (catalogue.module_defines: the wide and deep forms' threads and ring stages;
     NVIDIA only: these kernels do not exist for HIP)."""
     require_compilers([nvrtc_missing()])
     modules: dict = {}
     for v in catalogue.all_mma_variants():
         modules.setdefault(catalogue.module_defines(v), []).append(v)
-    assert len(modules) == 2  # the default forms' and the wide forms'
+    assert len(modules) == 3  # the default forms', the wide forms' and the deep forms'
     for mma in modules.values():
         checks = []
         for v in mma:
@@ -199,7 +199,7 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
                        f"WARP_STEPS == {v.warp_steps}, \"{v.partition_name}: steps per warp\");",
                        f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
                        f"{max(SUPPORTED_BLOCK_SIZES)}, \"{v.partition_name}: block sizes\");"]
-            if v.ring_stages:  # the dense or wide form's own
+            if v.ring_stages:  # the dense, wide or deep form's own
                 checks.append(f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {dense}>::"
                               f"STAGES == {v.ring_stages}, \"{v.partition_name}: stages\");")
         checks.append(f"static_assert(cupa::MAX_CLUSTER == {catalogue.MAX_CLUSTER}, "

@@ -1,6 +1,7 @@
 """The ragged bench rows (cupa/bench/ragged.py) without a GPU: the lengths each seed fixes, the
-paged layout cupa and FlashInfer share, the row's fields, the command line, and one pass of the
-row's timing code on the numpy backend with a stand-in for cupy and the timer."""
+paged layout cupa and FlashInfer share (and the head sizes FlashInfer is asked at), the row's
+fields, the command line, and one pass of the row's timing code on the numpy backend with a
+stand-in for cupy and the timer."""
 
 import argparse
 import types
@@ -12,7 +13,8 @@ from cupa.bench import ragged
 from cupa.bench.features import selected_features
 from cupa.bench.harness import copy_floor_us, kv_read_bytes
 from cupa.bench.main import add_arguments
-from cupa.bench.peers import flashinfer_page_arrays
+from cupa.bench.peers import (FLASHINFER_HEAD_SIZES, flashinfer_page_arrays, flashinfer_peer,
+                              prepare_peer)
 from cupa.problem import DecodeShape
 from cupa.validation import check_table_contents
 
@@ -99,6 +101,18 @@ def test_flashinfer_arrays_of_a_uniform_batch():
     indptr, indices, last = flashinfer_page_arrays(tables, [70, 0, 16, 1], BLOCK)
     assert indptr.tolist() == [0, 5, 5, 6, 7] and last.tolist() == [6, 0, 16, 1]
     assert indices.tolist() == tables[0].tolist() + [tables[2, 0], tables[3, 0]]
+
+
+@pytest.mark.parametrize("head_size", [80, 96, 112])
+def test_flashinfer_is_not_asked_at_head_sizes_where_it_faulted(head_size, capsys):
+    """Heads 80 and 96 crashed FlashInfer 0.7.2's decode (an illegal address ends the process's
+    CUDA context): the bench leaves FlashInfer out there, with the reason, before touching any
+    array or importing it."""
+    assert head_size not in FLASHINFER_HEAD_SIZES
+    args = bench_args("--head-size", str(head_size))
+    assert prepare_peer("flashinfer", flashinfer_peer, None, None, None, None, None, 4096,
+                        args) is None
+    assert f"head size {head_size} is not asked of FlashInfer" in capsys.readouterr().err
 
 
 def test_a_row_carries_the_main_tables_fields_and_the_read_floor():

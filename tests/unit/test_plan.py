@@ -39,9 +39,10 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float32", 128, 8, "gfx942", "cupa_decode_f32_d128_h8"),     # fp32: portable
     ("float16", 96, 4, "gfx942", "cupa_decode_f16_d96_h4"),       # head 96: portable
     ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
-    ("float16", 96, 3, "sm_90", "cupa_decode_f16_d96_h4"),        # head 96: portable, tile 4
-    ("bfloat16", 256, 12, "sm_90", "cupa_decode_mma8_bf16_d256"),  # no 16-row kernel: row chunks
-    ("bfloat16", 256, 8, "sm_90", "cupa_decode_mma8_bf16_d256"),
+    ("float32", 96, 3, "sm_90", "cupa_decode_f32_d96_h4"),        # fp32 head 96: tile 4
+    ("bfloat16", 256, 12, "sm_90", "cupa_decode_mma8_bf16_d256_deep"),  # no 16-row: row chunks
+    ("bfloat16", 256, 8, "sm_90", "cupa_decode_mma8_bf16_d256_deep"),  # 3 stages on sm_90
+    ("bfloat16", 256, 8, "sm_80", "cupa_decode_mma8_bf16_d256"),  # 2 on sm_80 (163 KB)
     ("float16", 256, 2, "sm_80", "cupa_decode_mma8_f16_d256"),
 ])
 def test_kernel_selection(dtype, head_size, group, arch, expected):
@@ -52,7 +53,7 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
     ("float16", 96, 3, "sm_90", None, "cupa_decode_mma8_f16_d96"),
     ("bfloat16", 80, 16, "sm_80", None, "cupa_decode_mma16_bf16_d80"),
     ("float16", 112, 32, "sm_90", None, "cupa_decode_mma16_f16_d112"),
-    ("float16", 192, 16, "sm_90", None, "cupa_decode_mma8_f16_d192"),  # no 16-row kernel
+    ("float16", 192, 16, "sm_90", None, "cupa_decode_mma8_f16_d192_deep"),  # no 16-row kernel
     ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_mma8_bf16kv8fn_d96"),
     ("float16", 192, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d192"),
     ("float16", 96, 4, "sm_75", None, "cupa_decode_f16_d96_h4"),       # below sm_80: portable
@@ -60,9 +61,8 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
 ])
 def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, arch, fmt,
                                                expected):
-    """CUPA_STAGED_HEADS=auto: heads 80, 96, 112 and 192 on the tensor-core kernels (rows staged
-    at 128 or 256), the 16-row one up to 112; the default leaves them to the portable kernel."""
-    switch("CUPA_STAGED_HEADS", "auto")
+    """Heads 80, 96, 112 and 192 on the tensor-core kernels by default (rows staged at 128 or
+    256), the 16-row one up to 112; CUPA_STAGED_HEADS=never leaves them to the portable kernel."""
     assert dispatch.decode_variant(dtype, head_size, rows, arch, fmt).partition_name == expected
     switch("CUPA_STAGED_HEADS", "never")
     assert isinstance(dispatch.decode_variant(dtype, head_size, rows, arch, fmt),
@@ -76,7 +76,8 @@ def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, a
     # software widening elsewhere: values times 2^(bias - 15)
     ("float16", 128, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d128", 2 ** 8),
     ("float16", 128, 8, "sm_90", "fp8_e4m3fnuz", "cupa_decode_mma8_f16kv8_d128", 2 ** 7),
-    ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_bf16kv8_d96_h4", 2 ** 8),
+    ("bfloat16", 96, 4, "sm_75", "fp8_e4m3", "cupa_decode_bf16kv8_d96_h4", 2 ** 8),  # portable
+    ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_mma8_bf16kv8fn_d96", 1),  # staged
     # AMD: the target's own conversion where it reads the cache's format (exact values)
     ("float16", 128, 8, "gfx942", "fp8_e4m3fnuz", "cupa_decode_xmma1_f16kv8hw_d128", 1),
     ("bfloat16", 64, 40, "gfx1201", "fp8_e4m3", "cupa_decode_xmma2_bf16kv8hw_d64", 1),
@@ -421,6 +422,64 @@ def test_the_dense_form_only_where_it_exists(switch):
     switch("CUPA_DENSE", "sometimes")
     with pytest.raises(ValueError, match="CUPA_DENSE"):
         make_plan(large, H200_SMS, arch="sm_90")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_size", [192, 256])
+def test_the_deep_form_where_it_exists(switch, dtype, head_size):
+    """Heads 192 and 256 over a 16-bit cache on sm_90: the 8-column kernel with a 3-stage ring
+    (194 KB, one workgroup a multiprocessor), for every problem, row chunks included; the
+    2-stage ring on sm_80 (163 KB), for fp8 caches (their 3 stages take 98 KB already) and with
+    CUPA_DEEP=never."""
+    for rows in (1, 8, 12, 64):
+        deep = dispatch.decode_variant(dtype, head_size, rows, "sm_90")
+        assert deep.deep and deep.heads == 8 and deep.ring_stages == 3, rows
+        assert deep.shared_bytes == 3 * 2 * 64 * 256 * 2 + 2 * 3 * 64 * 4
+        assert deep.workgroups_per_sm == 1 and deep.min_sm == 90
+        assert dict(catalogue.module_defines(deep))["CUPA_RING_STAGES"] == 3
+        assert not dispatch.decode_variant(dtype, head_size, rows, "sm_80").deep
+    plan = make_plan(shape(64, 4096, dtype=dtype, head_size=head_size), H200_SMS, arch="sm_90")
+    assert plan.variant.deep
+    for fmt in ("fp8_e4m3", "fp8_e4m3fnuz"):
+        assert not dispatch.decode_variant(dtype, head_size, 8, "sm_90", fmt).deep
+    assert dispatch.deep_variant(dispatch.decode_variant(dtype, head_size, 8, "sm_80"),
+                                 "sm_80") is None
+    switch("CUPA_DEEP", "never")
+    plain = dispatch.decode_variant(dtype, head_size, 8, "sm_90")
+    assert not plain.deep and plain.ring_stages == 0 and plain.shared_bytes < 163 * 1024
+    assert dict(catalogue.module_defines(plain))["CUPA_RING_STAGES"] == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100",
+                                  "sm_120", "sm_130"])
+def test_no_pick_needs_more_shared_memory_than_its_target_gives(arch):
+    """Every variant and form dispatch picks gets its ring: consumer Ampere, Ada and Blackwell
+    give a workgroup 99 KB, where a 16-bit cache at head 192 or 256 (129 KB) runs the portable
+    kernel and the wide and deep forms (194-198 KB) do not exist; an unknown sm gets the least."""
+    limit = catalogue.shared_opt_in_bytes(arch)
+    assert limit == catalogue.SHARED_OPT_IN_BYTES.get(int(arch[3:]), 101376)
+    for kv_format in (None, "fp8_e4m3", "fp8_e4m3fnuz"):
+        for dtype in ("float16", "bfloat16"):
+            for head_size in catalogue.SUPPORTED_HEAD_SIZES:
+                for rows in (1, 8, 16, 64):
+                    own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
+                    forms = (own, dispatch.dense_variant(own, arch),
+                             dispatch.wide_variant(own, rows, arch))
+                    for v in forms:
+                        assert v is None or getattr(v, "shared_bytes", 0) <= limit, v
+    small = limit < 128 * 1024
+    big = dispatch.decode_variant("float16", 256, 8, arch)
+    assert isinstance(big, catalogue.DecodeVariant) == small
+    assert isinstance(dispatch.decode_variant("float16", 256, 8, arch, "fp8_e4m3"),
+                      catalogue.DecodeMmaVariant)
+    assert isinstance(dispatch.decode_variant("float16", 128, 64, arch),
+                      catalogue.DecodeMmaVariant)
+    head128 = dispatch.decode_variant("float16", 128, 8, arch)
+    assert (dispatch.wide_variant(head128, 8, arch) is None) == (
+        small or catalogue.sm_number(arch) < catalogue.WIDE_MIN_SM)
+    # The documented limits of the two targets the shared-memory test above checks.
+    for name, (_, per_block) in SHARED_PER_SM.items():
+        assert catalogue.shared_opt_in_bytes(name) == per_block
 
 
 def wide_residency(variant):

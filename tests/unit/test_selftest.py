@@ -59,14 +59,14 @@ def test_cases_reach_every_variant_dispatch_can_pick(arch):
                      and (v.tiles == catalogue.matrix_tiles(32, v.head_size, arch)
                           or v.tiles == 1)}
         assert variants == (set(catalogue.all_decode_variants()) - matrix) | reachable
-    else:  # every tensor-core variant dispatch picks by default (the staged head sizes are
-        # the portable kernel's: dispatch.STAGED_HEAD_FORMS); the grid-size forms (sm_90) as
-        # forced cases
+    else:  # every tensor-core variant dispatch picks by default (on sm_90 the deep form in
+        # place of the 2-stage ring); the grid-size forms (sm_90) as forced cases
         assert {v for v in variants if isinstance(v, catalogue.DecodeMmaVariant)} == {
             v for v in catalogue.all_mma_variants()
-            if v.head_size not in catalogue.MMA_STAGED_HEAD_SIZES
-            and (v.cache != catalogue.FP8_E4M3_NATIVE or arch != "sm_80")
-            and (arch == "sm_90" or not (v.dense or v.wide))}
+            if (v.cache != catalogue.FP8_E4M3_NATIVE or arch != "sm_80")
+            and (arch == "sm_90" or not (v.dense or v.wide))
+            and v.deep == (arch == "sm_90" and v.heads == 8
+                           and (v.cache, v.head_size) in catalogue.DEEP_KINDS)}
     # Every dtype, cache kind (both fp8 formats), head size and row tile is in the matrix.
     assert {(c.dtype, c.kv_format) for c in cases} == {
         ("float32", None), *((d, f) for d in ("float16", "bfloat16")

@@ -71,9 +71,10 @@ struct KvRing {
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;
     // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
-    // of float16 at head 256, where 2 stages are what fits sm_80's 163 KB (and one workgroup
-    // per multiprocessor on sm_90). A wide form's module sets its own (CUPA_RING_STAGES: its
-    // 64 KB stages of 8 warps' chunks would get the rule's 2).
+    // of a 16-bit cache staged at head 256, where 2 stages are what fits sm_80's 163 KB. A wide
+    // or deep form's module sets its own (CUPA_RING_STAGES: the wide form's 64 KB stages of 8
+    // warps' chunks would get the rule's 2; the deep form is those 64 KB stages, 3 of them, in
+    // sm_90's 227 KB).
     static constexpr int STAGES = DENSE_STAGES > 0 ? DENSE_STAGES
                                   : CUPA_RING_STAGES > 0 ? CUPA_RING_STAGES
                                   : KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
