@@ -198,7 +198,8 @@ def switches_set(values: dict):
 
 def mma_eligible(dtype: str, head_size: int, rows: int, arch: str) -> bool:
     """Whether the tensor-core kernel serves this problem (`rows` query rows per KV head) on
-    this target."""
+    this target by dtype, head size and rows; decode_variant also needs the variant's ring to
+    fit the target's shared memory (fits_shared_memory)."""
     chosen = switches()
     if chosen.kernel == "portable" or sm_number(arch) < MMA_MIN_SM:
         return False

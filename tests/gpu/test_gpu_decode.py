@@ -65,12 +65,13 @@ def kernel_modes(case, kv_format=None):
         rows *= int(np.diff(case.query_start_loc).max())
     dtype = np.dtype(case.query.dtype).name
     arch = device_info().target.arch
-    mma = dispatch.mma_eligible(dtype, head_size, rows, arch)
     eight = dispatch.decode_variant(dtype, head_size, 1, arch, kv_format)
     own = dispatch.decode_variant(dtype, head_size, rows, arch, kv_format)
-    dense = ("dense",) if mma and dispatch.dense_variant(eight, arch) is not None else ()
-    wide = ("wide",) if mma and dispatch.wide_variant(own, rows, arch) is not None else ()
-    shallow = ("shallow",) if mma and getattr(eight, "deep", False) else ()
+    # What dispatch picked, which also weighs the target's shared memory (fits_shared_memory).
+    mma = isinstance(eight, catalogue.DecodeMmaVariant)
+    dense = ("dense",) if dispatch.dense_variant(eight, arch) is not None else ()
+    wide = ("wide",) if dispatch.wide_variant(own, rows, arch) is not None else ()
+    shallow = ("shallow",) if mma and eight.deep else ()
     if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
         return ("16-row", "row-chunks", *dense, *wide, "portable")
     if mma:
