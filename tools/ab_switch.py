@@ -17,8 +17,7 @@ A shape is BxL or the name of one of the bench's ragged batches (cupa.bench.ragg
 both length hints as in the bench.
 
 A side is one or more comma-separated NAME=VALUE assignments of the switches read by
-cupa.gpu.dispatch (CUPA_KERNEL, CUPA_MERGE, CUPA_ROW_CHUNKS, CUPA_DENSE, CUPA_WIDE, CUPA_DEEP,
-CUPA_STAGGER, CUPA_STAGED_HEADS, CUPA_CHAINED_REDUCE, CUPA_CHAINED_PHASE1); NAME= unsets one.
+cupa.gpu.dispatch (its module docstring lists them); NAME= unsets one.
 CUPA_PARTITION_SIZE=N is the tool's own: that side's plan takes N-token partitions. Compile
 options compare the same way: a plan compiles its kernels when it is made, with
 CUPA_EXTRA_OPTIONS as they are then, and cupa keeps one module per (device, variant, options),
