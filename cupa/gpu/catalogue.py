@@ -170,13 +170,14 @@ def shared_opt_in_bytes(arch: str) -> int:
 @dataclass(frozen=True)
 class DecodeMmaVariant(_TwoPhase):
     """Phase 1 on NVIDIA tensor cores (mma.sync, sm_80+), fp16/bf16, the head sizes of
-    MMA_HEAD_SIZES and MMA_STAGED_HEAD_SIZES (the 16-row kernel: MMA16_HEAD_SIZES).
+    MMA_HEAD_SIZES and MMA_STAGED_HEAD_SIZES.
 
     heads=8: the query rows are the N=8 columns (up to 8 rows); heads=16: they are the M=16 rows
-    of one m-tile per warp (9-64 rows, and chunks of 64 of more). dense: the 8-column kernel's
-    dense form (DENSE_RING), for the (cache, head size) pairs of DENSE_KINDS. wide: either
-    kernel's wide form (WIDE_RING), at WIDE_HEAD_SIZES from WIDE_MIN_SM. deep: the 8-column
-    kernel's deep form (DEEP_RING), for the pairs of DEEP_KINDS from DEEP_MIN_SM.
+    of one m-tile per warp (9-64 rows, and chunks of 64 of more; one tile and chunks of 16 at
+    MMA16_SHARED_QUERY_HEAD_SIZES). dense: the 8-column kernel's dense form (DENSE_RING), for
+    the (cache, head size) pairs of DENSE_KINDS. wide: either kernel's wide form (WIDE_RING), at
+    WIDE_HEAD_SIZES from WIDE_MIN_SM. deep: either kernel's deep form (DEEP_RING), for the pairs
+    of DEEP_KINDS from DEEP_MIN_SM.
     """
 
     dtype: str
@@ -230,19 +231,29 @@ class DecodeMmaVariant(_TwoPhase):
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
         a chunk of K and V, 64 tokens or 128 for fp8 at head 128; 2 stages when K alone is
         >= 32 KB, 3 when >= 16 KB, else 4, or ring_stages; then twice as many slots of a chunk's
-        int32 block ids), which the warps' merge buffer reuses. Rows are staged at
-        staged_head_size. The kernel traps if given less."""
+        int32 block ids), which the warps' merge buffer reuses; then the 16-row kernel's tile
+        of 16-bit query rows where it reads them from there (MMA16_SHARED_QUERY_HEAD_SIZES).
+        Rows are staged at staged_head_size. The kernel traps if given less."""
         chunk = 16 * (self.threads // 32) * self.warp_steps
         kv_bytes = chunk * staged_head_size(self.head_size) * (1 if self.cache else 2)
         stages = self.ring_stages or (2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
-        return max(ring, merge)
+        query = 16 * self.head_size * 2 if self.shared_query else 0
+        return max(ring, merge) + query
+
+    @property
+    def shared_query(self) -> bool:
+        """Whether the 16-row kernel reads its one tile's query from shared memory."""
+        return self.heads == 16 and self.head_size in MMA16_SHARED_QUERY_HEAD_SIZES
 
     @property
     def rows(self) -> int:
-        """Query rows per workgroup: 8 columns, or a 16-row tile for each warp."""
-        return 8 if self.heads == 8 else 16 * (self.threads // 32)
+        """Query rows per workgroup: 8 columns, or a 16-row tile for each warp (one tile where
+        the query is read from shared memory)."""
+        if self.heads == 8:
+            return 8
+        return 16 if self.shared_query else 16 * (self.threads // 32)
 
     @property
     def partition_name(self) -> str:
@@ -268,11 +279,11 @@ MMA_HEAD_SIZES = (64, 128, 256)
 # and 16-dim output tiles. Whether they run there is dispatch's CUPA_STAGED_HEADS.
 MMA_STAGED_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d not in MMA_HEAD_SIZES)
 MMA_HEAD_TILES = (8, 16)
-# The 16-row kernel keeps a 16-row tile's query fragments and output accumulators in registers:
-# at head 256 they alone would take 192 registers a thread (144 at 192), so more than 8 rows run
-# there as 8-row chunks of the 8-column kernel (3-7x faster than the portable kernel;
-# docs/perf-log.md v21).
-MMA16_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d <= 128)
+# The 16-row kernel keeps a 16-row tile's query fragments and output accumulators in registers
+# up to head 128. Above it they would take 192 registers a thread at head 256 (144 at 192), so
+# there the kernel holds one tile a workgroup and reads the tile's query from shared memory
+# (Mma16Shape::SHARED_QUERY in mma16.cuh; more rows run as 16-row chunks across the grid).
+MMA16_SHARED_QUERY_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d > 128)
 
 
 def staged_head_size(head_size: int) -> int:
@@ -300,13 +311,15 @@ DENSE_KINDS = ((None, 64), (FP8_E4M3_NATIVE, 128))
 WIDE_RING = {"threads": 256, "stages": 3}
 WIDE_HEAD_SIZES = (128,)
 WIDE_MIN_SM = 90
-# The deep form of the 8-column kernel where a 16-bit cache's rows are staged at head 256 (heads
-# 192 and 256): a ring of 3 stages of 64 KB instead of KvRing's 2 (194 KB, where sm_80 gives a
-# workgroup 163 KB; DEEP_MIN_SM), so two chunks are in flight while the warps compute, not one.
+# The deep form of the tensor-core kernels where a 16-bit cache's rows are staged at head 256
+# (heads 192 and 256): a ring of 3 stages of 64 KB instead of KvRing's 2 (194 KB, where sm_80
+# gives a workgroup 163 KB; DEEP_MIN_SM), so two chunks are in flight while the warps compute,
+# not one.
 # Still one workgroup a multiprocessor. H200, GPU time, rule -> deep (docs/perf-log.md v39):
 # head 192 1.06-1.26x faster (16 x 16384 475.1 -> 376.0 us), head 256 1.01-1.05x (64 x 4096
-# 519.6 -> 499.2), head 256 at group 16 (row chunks) 1.07-1.24x (1 x 32768 68.2 -> 55.0). It
-# serves wherever it exists (dispatch.deep_variant).
+# 519.6 -> 499.2), head 256 at group 16 (row chunks) 1.07-1.24x (1 x 32768 68.2 -> 55.0). The
+# 16-row kernel at these heads (v40) runs in it too (its 2-stage form, CUPA_DEEP=never, is
+# tested, not timed). It serves wherever it exists (dispatch.deep_variant).
 DEEP_RING = {"stages": 3}
 DEEP_KINDS = tuple((None, d) for d in MMA_HEAD_SIZES + MMA_STAGED_HEAD_SIZES
                    if staged_head_size(d) == 256)
@@ -324,12 +337,11 @@ def all_decode_variants() -> list[DecodeVariant]:
 def all_mma_variants() -> list[DecodeMmaVariant]:
     plain = [DecodeMmaVariant(dtype, d, h, cache) for dtype in MMA_DTYPES
              for d in MMA_HEAD_SIZES + MMA_STAGED_HEAD_SIZES for h in MMA_HEAD_TILES
-             for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE) if h == 8 or d in MMA16_HEAD_SIZES]
+             for cache in (None, FP8_CACHE, FP8_E4M3_NATIVE)]
     dense = [DecodeMmaVariant(dtype, d, 8, cache, dense=True) for dtype in MMA_DTYPES
              for cache, d in DENSE_KINDS]
     wide = [replace(v, wide=True) for v in plain if v.head_size in WIDE_HEAD_SIZES]
-    deep = [replace(v, deep=True) for v in plain
-            if v.heads == 8 and (v.cache, v.head_size) in DEEP_KINDS]
+    deep = [replace(v, deep=True) for v in plain if (v.cache, v.head_size) in DEEP_KINDS]
     return plain + dense + wide + deep
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from .catalogue import (DEEP_KINDS, DEEP_MIN_SM, DENSE_KINDS, FP8_AMD_NATIVE, FP8_CACHE,
                         FP8_E4M3_NATIVE, MATRIX_DTYPES, MATRIX_HEAD_SIZES, MAX_CLUSTER,
-                        MMA16_HEAD_SIZES, MMA_DTYPES, MMA_HEAD_SIZES, MMA_STAGED_HEAD_SIZES,
+                        MMA_DTYPES, MMA_HEAD_SIZES, MMA_STAGED_HEAD_SIZES,
                         NVIDIA_ONLY_FAMILIES, WIDE_HEAD_SIZES,
                         WIDE_MIN_SM, DecodeMatrixVariant, DecodeMmaVariant, DecodeVariant,
                         amd_native_fp8, head_tile, matrix_core_family, matrix_tiles,
@@ -75,7 +75,10 @@ ROW_CHUNKS_MAX_BYTES_PER_SM = 1 << 20
 # 53.3), 0.5 MB level (8 x 2048 22.4 both, 2 x 8192 22.5 -> 22.7) to faster (1 x 16384 23.8
 # against 24.3, 1 x 4096 at 0.13 MB 14.8 against 15.3); at head 64, 0.5 MB slower (1 x 32768
 # 25.1 -> 23.9, 8 x 4096 23.6 -> 22.0, 32 x 2048 34.5 -> 31.0, 16 x 4096 38.0 -> 32.2), 0.06 MB
-# faster (1 x 4096 12.7 against 13.1).
+# faster (1 x 4096 12.7 against 13.1). Above head 128 (v40: one tile, one workgroup a
+# multiprocessor) the general limit holds: at 16.8 MB, 1 x 4096 is faster as row chunks (head
+# 256 18.0 against 19.4 us, 192 16.7 against 17.8), at 134 MB 1 x 32768 and 8 x 4096 slower
+# (55.1 against 53.6, 54.4 against 52.5 at head 256).
 ROW_CHUNKS_TWO_16BIT_MAX_BYTES_PER_SM = {128: 1 << 19, 64: 1 << 17}
 KERNEL_FORMS = ("auto", "portable")  # CUPA_KERNEL; portable: never tensor or matrix cores
 MERGE_FORMS = ("auto", "cluster", "reduce")
@@ -282,19 +285,13 @@ def plain_form(variant) -> bool:
             and not (variant.dense or variant.wide or variant.deep))
 
 
-def eight_column_form(variant, arch: str, kinds, min_sm: int, **form):
-    """A form of an 8-column `variant` (dense=True, deep=True) if it exists on this target: for
-    the (cache, head size) pairs of `kinds`, from `min_sm`, where it fits; else None."""
-    if not (plain_form(variant) and variant.heads == 8 and sm_number(arch) >= min_sm
-            and (variant.cache, variant.head_size) in kinds):
-        return None
-    return form_that_fits(variant, arch, **form)
-
-
 def dense_variant(variant, arch: str):
-    """The dense form of `variant` if it exists on this target (DENSE_KINDS, from DENSE_MIN_SM),
-    whatever the switches say, else None."""
-    return eight_column_form(variant, arch, DENSE_KINDS, DENSE_MIN_SM, dense=True)
+    """The dense form of `variant` if it exists on this target (an 8-column variant of
+    DENSE_KINDS, from DENSE_MIN_SM), whatever the switches say, else None."""
+    if not (plain_form(variant) and variant.heads == 8 and sm_number(arch) >= DENSE_MIN_SM
+            and (variant.cache, variant.head_size) in DENSE_KINDS):
+        return None
+    return form_that_fits(variant, arch, dense=True)
 
 
 def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
@@ -320,7 +317,10 @@ def wide_variant(variant, rows: int, arch: str):
 def deep_variant(variant, arch: str):
     """The deep form of `variant` if it exists on this target (DEEP_KINDS, from DEEP_MIN_SM),
     whatever the switches say, else None."""
-    return eight_column_form(variant, arch, DEEP_KINDS, DEEP_MIN_SM, deep=True)
+    if not (plain_form(variant) and sm_number(arch) >= DEEP_MIN_SM
+            and (variant.cache, variant.head_size) in DEEP_KINDS):
+        return None
+    return form_that_fits(variant, arch, deep=True)
 
 
 def wide_form(variant, rows: int, arch: str):
@@ -361,17 +361,19 @@ def decode_variant(dtype: str, head_size: int, rows: int, arch: str = "",
     cache = None if kv_format is None else FP8_CACHE
     if mma_eligible(dtype, head_size, rows, arch):
         native = kv_format == FP8_E4M3_NATIVE and sm_number(arch) >= NATIVE_FP8_MIN_SM
-        # Head sizes the 16-row kernel lacks take more rows in row chunks of the 8-column one.
-        sixteen = rows > 8 and head_size in MMA16_HEAD_SIZES
-        variant = DecodeMmaVariant(dtype, head_size, 16 if sixteen else 8,
-                                   FP8_E4M3_NATIVE if native else cache)
-        # The deep form serves wherever it exists: no problem size was measured slower on it.
-        deep = deep_variant(variant, arch) if switches().deep == "auto" else None
-        if deep is not None:
-            return deep
-        if fits_shared_memory(variant, arch):
-            return variant
-        # Too little shared memory for its ring (a 16-bit cache at head 192 or 256 on sm_86,
+        # More than 8 rows: the 16-row kernel, or where its ring and query do not fit the
+        # target's shared memory (fp8 at heads 192, 256 on sm_86, sm_89, sm_120), row chunks
+        # of the 8-column one.
+        for heads in (16, 8) if rows > 8 else (8,):
+            variant = DecodeMmaVariant(dtype, head_size, heads,
+                                       FP8_E4M3_NATIVE if native else cache)
+            # The deep form serves wherever it exists: no problem size was measured slower on it.
+            deep = deep_variant(variant, arch) if switches().deep == "auto" else None
+            if deep is not None:
+                return deep
+            if fits_shared_memory(variant, arch):
+                return variant
+        # Too little shared memory for any ring (a 16-bit cache at head 192 or 256 on sm_86,
         # sm_89 or sm_120): the portable kernel.
     if matrix_cores and matrix_eligible(dtype, head_size, arch):
         if kv_format is not None and kv_format == amd_native_fp8(arch):

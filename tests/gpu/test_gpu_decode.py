@@ -36,8 +36,9 @@ KERNEL_MODES = {
     "auto": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
     "portable": dict(CUPA_KERNEL="portable", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto"),
     "row-chunks": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="always", CUPA_DENSE="never"),
-    # KvRing's 2-stage ring where the deep form serves by default (sm_80's at heads 192, 256).
-    "shallow": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="auto", CUPA_DENSE="auto",
+    # KvRing's 2-stage ring where the deep form serves by default (sm_80's at heads 192, 256),
+    # in the 16-row kernel where more than 8 rows have it.
+    "shallow": dict(CUPA_KERNEL="auto", CUPA_ROW_CHUNKS="never", CUPA_DENSE="auto",
                     CUPA_DEEP="never"),
     # The 16-row kernel, the dense and wide forms (dispatch.dense_variant, wide_variant) on
     # any problem.
@@ -71,9 +72,9 @@ def kernel_modes(case, kv_format=None):
     mma = isinstance(eight, catalogue.DecodeMmaVariant)
     dense = ("dense",) if dispatch.dense_variant(eight, arch) is not None else ()
     wide = ("wide",) if dispatch.wide_variant(own, rows, arch) is not None else ()
-    shallow = ("shallow",) if mma and eight.deep else ()
-    if mma and rows > 8 and head_size in catalogue.MMA16_HEAD_SIZES:
-        return ("16-row", "row-chunks", *dense, *wide, "portable")
+    shallow = ("shallow",) if mma and (eight.deep or own.deep) else ()
+    if mma and own.heads == 16:
+        return ("16-row", "row-chunks", *dense, *wide, *shallow, "portable")
     if mma:
         return ("auto", *dense, *wide, *shallow, "portable")
     return ("auto", "portable") if dispatch.matrix_eligible(dtype, head_size, arch) else ("auto",)

@@ -40,7 +40,8 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 96, 4, "gfx942", "cupa_decode_f16_d96_h4"),       # head 96: portable
     ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
     ("float32", 96, 3, "sm_90", "cupa_decode_f32_d96_h4"),        # fp32 head 96: tile 4
-    ("bfloat16", 256, 12, "sm_90", "cupa_decode_mma8_bf16_d256_deep"),  # no 16-row: row chunks
+    ("bfloat16", 256, 12, "sm_90", "cupa_decode_mma16_bf16_d256_deep"),  # query in shared
+    ("float16", 256, 16, "sm_80", "cupa_decode_mma16_f16_d256"),  # 2 stages and the query
     ("bfloat16", 256, 8, "sm_90", "cupa_decode_mma8_bf16_d256_deep"),  # 3 stages on sm_90
     ("bfloat16", 256, 8, "sm_80", "cupa_decode_mma8_bf16_d256"),  # 2 on sm_80 (163 KB)
     ("float16", 256, 2, "sm_80", "cupa_decode_mma8_f16_d256"),
@@ -49,11 +50,26 @@ def test_kernel_selection(dtype, head_size, group, arch, expected):
     assert dispatch.decode_variant(dtype, head_size, group, arch).partition_name == expected
 
 
+@pytest.mark.parametrize("rows, arch, expected", [
+    (16, "sm_90", "cupa_decode_mma16_f16kv8fn_d256"),  # 99 KB of ring, 8 KB of query
+    (16, "sm_80", "cupa_decode_mma16_f16kv8_d256"),
+    # sm_89 gives a workgroup 99 KB: the 8-column kernel's ring fits, the 16-row kernel's ring
+    # and query (106 KB) do not: row chunks
+    (16, "sm_89", "cupa_decode_mma8_f16kv8fn_d256"),
+    (8, "sm_89", "cupa_decode_mma8_f16kv8fn_d256"),
+])
+def test_more_rows_than_eight_fall_back_to_row_chunks_where_the_16_row_kernel_does_not_fit(
+        rows, arch, expected):
+    variant = dispatch.decode_variant("float16", 256, rows, arch, "fp8_e4m3")
+    assert variant.partition_name == expected and dispatch.fits_shared_memory(variant, arch)
+
+
 @pytest.mark.parametrize("dtype, head_size, rows, arch, fmt, expected", [
     ("float16", 96, 3, "sm_90", None, "cupa_decode_mma8_f16_d96"),
     ("bfloat16", 80, 16, "sm_80", None, "cupa_decode_mma16_bf16_d80"),
     ("float16", 112, 32, "sm_90", None, "cupa_decode_mma16_f16_d112"),
-    ("float16", 192, 16, "sm_90", None, "cupa_decode_mma8_f16_d192_deep"),  # no 16-row kernel
+    ("float16", 192, 16, "sm_90", None, "cupa_decode_mma16_f16_d192_deep"),  # query in shared
+    ("float16", 192, 32, "sm_90", "fp8_e4m3", "cupa_decode_mma16_f16kv8fn_d192"),
     ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_mma8_bf16kv8fn_d96"),
     ("float16", 192, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d192"),
     ("float16", 96, 4, "sm_75", None, "cupa_decode_f16_d96_h4"),       # below sm_80: portable
@@ -192,9 +208,8 @@ def multi_token_shape(batch, seq_len, heads, kv_heads, query_len, head_size):
     (16, 4096, 64, 1, 1, 128, 1),     # MQA (8 chunks) at 2 MB: 45.3 -> 47.7
     (128, 1024, 64, 4, 1, 128, 1),    # 512 (sequence, KV head) pairs fill the machine
     (128, 1024, 64, 1, 1, 128, 1),    # MQA, 4 MB: 56.5 -> 96.8
-    # ... except at head 256, which has no 16-row kernel (the portable kernel was 3-7x slower):
-    (256, 2048, 64, 4, 1, 256, 2),
-    (64, 4096, 64, 1, 1, 256, 8),
+    # Head 256, one tile of 16 rows a workgroup: MQA's 64 rows in 4 chunks of 16
+    (64, 4096, 64, 1, 1, 256, 1),
 ])
 def test_small_problems_run_row_chunks_of_the_eight_column_kernel(
         batch, seq_len, heads, kv_heads, query_len, head_size, chunks):
@@ -202,7 +217,9 @@ def test_small_problems_run_row_chunks_of_the_eight_column_kernel(
     plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
                      max_query_len=query_len)
     assert isinstance(plan.variant, catalogue.DecodeMmaVariant)
-    assert (plan.variant.heads, plan.head_chunks) == ((8, chunks) if chunks > 1 else (16, 1))
+    rows = heads // kv_heads * query_len
+    sixteen = -(-rows // plan.variant.rows)  # the 16-row kernel's chunks of its rows
+    assert (plan.variant.heads, plan.head_chunks) == ((8, chunks) if chunks > 1 else (16, sixteen))
     if chunks > 1 and head_size < 256:  # the 16-row plan would also split the sequences
         assert not plan.cluster_merge  # and row chunks never pair partitions in clusters
     # Without length hints the capacity counts as every sequence's length: the same here.
@@ -258,8 +275,9 @@ def test_forcing_row_chunks_or_the_16_row_kernel(switch):
     switch("CUPA_ROW_CHUNKS", "never")
     plan = make_plan(small, H200_SMS, arch="sm_90")
     assert plan.variant.heads == 16 and plan.head_chunks == 1
-    # Head 256 has no 16-row kernel: row chunks whatever the switch says.
-    assert make_plan(shape(kv_heads=4, head_size=256), H200_SMS, arch="sm_90").head_chunks == 2
+    # Above head 128 the 16-row kernel takes one tile of 16 rows a workgroup.
+    plan = make_plan(shape(kv_heads=2, head_size=256), H200_SMS, arch="sm_90")
+    assert plan.variant.heads == 16 and plan.variant.rows == 16 and plan.head_chunks == 2
     switch("CUPA_ROW_CHUNKS", "sometimes")
     with pytest.raises(ValueError, match="CUPA_ROW_CHUNKS"):
         make_plan(small, H200_SMS, arch="sm_90")
@@ -427,15 +445,17 @@ def test_the_dense_form_only_where_it_exists(switch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_size", [192, 256])
 def test_the_deep_form_where_it_exists(switch, dtype, head_size):
-    """Heads 192 and 256 over a 16-bit cache on sm_90: the 8-column kernel with a 3-stage ring
-    (194 KB, one workgroup a multiprocessor), for every problem, row chunks included; the
-    2-stage ring on sm_80 (163 KB), for fp8 caches (their 3 stages take 98 KB already) and with
-    CUPA_DEEP=never."""
+    """Heads 192 and 256 over a 16-bit cache on sm_90: both kernels with a 3-stage ring (194
+    KB, one workgroup a multiprocessor; the 16-row kernel's query after it), for every problem,
+    row chunks included; the 2-stage ring on sm_80 (163 KB), for fp8 caches (their 3 stages
+    take 98 KB already) and with CUPA_DEEP=never."""
+    ring = 3 * 2 * 64 * 256 * 2 + 2 * 3 * 64 * 4
     for rows in (1, 8, 12, 64):
         deep = dispatch.decode_variant(dtype, head_size, rows, "sm_90")
-        assert deep.deep and deep.heads == 8 and deep.ring_stages == 3, rows
-        assert deep.shared_bytes == 3 * 2 * 64 * 256 * 2 + 2 * 3 * 64 * 4
-        assert deep.workgroups_per_sm == 1 and deep.min_sm == 90
+        assert deep.deep and deep.heads == (8 if rows <= 8 else 16), rows
+        assert deep.ring_stages == 3 and deep.workgroups_per_sm == 1 and deep.min_sm == 90
+        query = 16 * head_size * 2 if rows > 8 else 0
+        assert deep.shared_bytes == ring + query <= catalogue.shared_opt_in_bytes("sm_90")
         assert dict(catalogue.module_defines(deep))["CUPA_RING_STAGES"] == 3
         assert not dispatch.decode_variant(dtype, head_size, rows, "sm_80").deep
     plan = make_plan(shape(64, 4096, dtype=dtype, head_size=head_size), H200_SMS, arch="sm_90")

@@ -130,21 +130,36 @@ struct KvStep {
         return w[unit >> 1][rows_inner ? 2 * (unit & 1) + row_half : (unit & 1) + 2 * row_half];
     }
 
-    // Rows r0 .. r0 + 15 of a stage (r0 a multiple of 16): K, V or both.
-    CUPA_FN void load_k(const unsigned char* stage, int r0, const Lanes& l) {
+    // Rows r0 .. r0 + 15 of a stage (r0 a multiple of 16): the K or V words of column block j,
+    // all of K, all of V, or both.
+    CUPA_FN void load_k_words(const unsigned char* stage, int r0, const Lanes& l, int j) {
         const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES;
+        load_matrices(k[j], rows + l.k[j & 3] + 128 * (j >> 2));
+    }
+    CUPA_FN void load_v_words(const unsigned char* stage, int r0, const Lanes& l, int j) {
+        const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES + R::KV_BYTES;
+        load_matrices_transposed(v[j], rows + l.v[j & 3] + 128 * (j >> 2));
+    }
+    CUPA_FN void load_k(const unsigned char* stage, int r0, const Lanes& l) {
 #pragma unroll
-        for (int j = 0; j < BLOCKS; ++j) load_matrices(k[j], rows + l.k[j & 3] + 128 * (j >> 2));
+        for (int j = 0; j < BLOCKS; ++j) load_k_words(stage, r0, l, j);
     }
     CUPA_FN void load_v(const unsigned char* stage, int r0, const Lanes& l) {
-        const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES + R::KV_BYTES;
 #pragma unroll
-        for (int j = 0; j < BLOCKS; ++j)
-            load_matrices_transposed(v[j], rows + l.v[j & 3] + 128 * (j >> 2));
+        for (int j = 0; j < BLOCKS; ++j) load_v_words(stage, r0, l, j);
     }
     CUPA_FN void load(const unsigned char* stage, int r0, const Lanes& l) {
         load_k(stage, r0, l);
         load_v(stage, r0, l);
+    }
+    // Block by block, where the words are used (the 16-row kernel above head 128): the column
+    // block k16 step s (dim tile tau) takes its words from, and whether s (tau) is the first to
+    // take them.
+    CUPA_FN static int k_block(int s) { return F::k_unit(s, 0) >> 1; }
+    CUPA_FN static int v_block(int tau) { return F::v_unit(tau) >> 1; }
+    CUPA_FN static bool k_block_starts(int s) { return s == 0 || k_block(s) != k_block(s - 1); }
+    CUPA_FN static bool v_block_starts(int tau) {
+        return tau == 0 || v_block(tau) != v_block(tau - 1);
     }
     // Half h of k16 step s, K rows g (rows = 0) or g + 8, as an mma operand.
     CUPA_FN u32 k_op(int s, int h, int rows) const {

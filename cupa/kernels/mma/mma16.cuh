@@ -9,15 +9,72 @@ namespace cupa {
 // The workgroup's rows form up to NWARPS tiles of 16; the warps split evenly over the tiles (one
 // tile: all four warps; two: two each; three or four: one each), and the warps of a tile share
 // the 16-token steps of each staged chunk. Every tile reads the same staged K/V rows.
+//
+// Above head 128 (Mma16Shape::SHARED_QUERY) a warp's 16 x D output accumulators alone take 128
+// registers at head 256; the query's A fragments beside them (64 more) and a whole step's K and
+// V words (128) would spill. There the workgroup holds one tile (more rows run as 16-row chunks
+// across the grid), the tile's query sits in shared memory after the ring and is read with
+// ldmatrix at each k16 step, and each step's K and V words are loaded block by block where
+// they are used. catalogue.DecodeMmaVariant (rows, shared_bytes) mirrors this.
+template <typename C, int D>
+struct Mma16Shape {
+    static constexpr int TILE_ROWS = 16;  // rows per warp tile = mma M
+    static constexpr bool SHARED_QUERY = D > 128;
+    static constexpr int TILES = SHARED_QUERY ? 1 : CUPA_THREADS / 32;
+    static constexpr int ROWS = TILE_ROWS * TILES;  // query rows a workgroup takes
+    static constexpr int QUERY_OFFSET = mma_shared_bytes<C, D, TILE_ROWS>();
+    static constexpr int QUERY_ROW_BYTES = D * 2;  // 16-bit query rows
+    static constexpr int BYTES = QUERY_OFFSET + (SHARED_QUERY ? TILE_ROWS * QUERY_ROW_BYTES : 0);
+};
+
+// The tile's query in shared memory: row r, 16-byte unit u at unit u ^ (r & 7) (rows are whole
+// multiples of 128 bytes, so the 8 rows an ldmatrix reads at one column sit in 8 different bank
+// groups). Position 16 s + 8 h + 2 c of a row holds query dims F::q_dim(s, h, c) and + 1, so
+// that ldmatrix hands each lane the A fragment the register path builds (qf below).
+template <typename T, typename M, typename C, int D>
+struct SharedQuery {
+    typedef Mma16Shape<C, D> S;
+    typedef Frag<C> F;
+    static constexpr int PAIRS = D / 2;                    // 32-bit words of a row
+    static constexpr int THREADS_PER_ROW = CUPA_THREADS / S::TILE_ROWS;
+    u32 base;      // this lane's ldmatrix address: its row of the tile
+    int unit_xor;  // the unit it reads at step s is unit_xor ^ 2 (s % 4), + 8 (s / 4)
+
+    // Thread t stores pairs t % 8, + 8, ... of row t / 8 (16 rows x 8 threads).
+    CUPA_FN static void store(unsigned char* shared, const T* query, const PartitionWork& w) {
+        static_assert(CUPA_THREADS == S::TILE_ROWS * THREADS_PER_ROW, "8 threads a row");
+        const int r = (int)threadIdx.x / THREADS_PER_ROW;
+        const QueryRow<T, M, D> row(query, w, r);
+        u32* words = reinterpret_cast<u32*>(shared + S::QUERY_OFFSET + r * S::QUERY_ROW_BYTES);
+#pragma unroll
+        for (int i = 0; i < PAIRS / THREADS_PER_ROW; ++i) {
+            const int pos = (int)threadIdx.x % THREADS_PER_ROW + THREADS_PER_ROW * i;
+            const int s = pos / 8, h = (pos / 4) & 1, c = pos & 3;
+            words[4 * ((pos / 4) ^ (r & 7)) + c] = row.pair(F::q_dim(s, h, c));
+        }
+    }
+    // ldmatrix.x4 matrices 0-3: rows 0-7 / 8-15 of unit 2s, then of unit 2s + 1 (qf's order).
+    CUPA_FN SharedQuery(const unsigned char* shared, int lane) {
+        const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
+        base = shared_address(shared + S::QUERY_OFFSET) + r * S::QUERY_ROW_BYTES;
+        unit_xor = (lane >> 4) ^ (r & 7);
+    }
+    CUPA_FN void load(u32 (&a)[4], int s) const {
+        load_matrices(a, base + 128 * (s >> 2) + 16 * (unit_xor ^ (2 * (s & 3))));
+    }
+};
+
 template <typename T, typename C, int D>
 CUPA_FN void decode_partition_mma16(
     CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename MmaTypeOf<T, C>::type M;
     typedef KvRing<C, D> R;
     typedef Frag<C> F;
-    constexpr int TILE_ROWS = 16;           // rows per warp tile = mma M
+    typedef Mma16Shape<C, D> Shape;
+    constexpr int TILE_ROWS = Shape::TILE_ROWS;
     constexpr int NWARPS = CUPA_THREADS / 32;
-    constexpr int ROWS = TILE_ROWS * NWARPS;
+    constexpr int ROWS = Shape::ROWS;
+    constexpr bool SHARED_QUERY = Shape::SHARED_QUERY;
     constexpr int STEP = 16;                // tokens per warp step = mma K of the PV product
     constexpr int KSTEPS = D / 16;          // k16 steps of the head dim
     constexpr int NT = D / 8;               // dim tiles = n-tiles of the output
@@ -26,7 +83,7 @@ CUPA_FN void decode_partition_mma16(
     CUPA_PHASE_STAMP(PHASE_START);
     extern __shared__ cupa_u32x4 dynamic_shared[];
     __shared__ float m_s[NWARPS][TILE_ROWS], l_s[NWARPS][TILE_ROWS];
-    if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, TILE_ROWS>()) __trap();
+    if (dynamic_shared_bytes() < (u32)Shape::BYTES) __trap();
 
     PartitionWork w;
     KvStream<C, D> kv;  // its first ids perhaps requested early: see early_ids
@@ -47,16 +104,23 @@ CUPA_FN void decode_partition_mma16(
     const typename KvStep<C, D, false>::Lanes lanes = KvStep<C, D, false>::lanes(lane);
 
     // Q as A fragments, in the head-dim order of K (Frag::q_dim). Rows past the chunk are zero.
-    const QueryRow<T, M, D> q_lo(query, w, r_lo), q_hi(query, w, r_hi);
-    u32 qf[KSTEPS][4];
+    // Above head 128 the fragments are read from shared memory at each step instead (the
+    // barrier in start_stream orders the stores before the first read).
+    u32 qf[SHARED_QUERY ? 1 : KSTEPS][4];
+    if constexpr (SHARED_QUERY) {
+        SharedQuery<T, M, C, D>::store(ring, query, w);
+    } else {
+        const QueryRow<T, M, D> q_lo(query, w, r_lo), q_hi(query, w, r_hi);
 #pragma unroll
-    for (int s = 0; s < KSTEPS; ++s) {
+        for (int s = 0; s < KSTEPS; ++s) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            qf[s][2 * h] = q_lo.pair(F::q_dim(s, h, c));
-            qf[s][2 * h + 1] = q_hi.pair(F::q_dim(s, h, c));
+            for (int h = 0; h < 2; ++h) {
+                qf[s][2 * h] = q_lo.pair(F::q_dim(s, h, c));
+                qf[s][2 * h + 1] = q_hi.pair(F::q_dim(s, h, c));
+            }
         }
     }
+    const SharedQuery<T, M, C, D> q_shared(ring, lane);
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     RowMask mask_lo, mask_hi;
     mask_lo.init(w, r_lo, alibi_slopes, sliding_window);
@@ -80,7 +144,7 @@ CUPA_FN void decode_partition_mma16(
         for (int step = first_step; step < STEPS; step += warps_per_tile) {
             const int base = w.start + i * R::CHUNK + step * STEP;
             KvStep<C, D, false> cur;
-            cur.load(stage, step * STEP, lanes);
+            if constexpr (!SHARED_QUERY) cur.load(stage, step * STEP, lanes);
             bool v_valid[4];  // tokens 2c, 2c + 1, 2c + 8, 2c + 9 of the step
 #pragma unroll
             for (int t = 0; t < 4; ++t)
@@ -93,8 +157,14 @@ CUPA_FN void decode_partition_mma16(
             float s0b[4] = {0.f, 0.f, 0.f, 0.f}, s1b[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
-                MmaOp<M>::run((s & 1) ? s0b : s0, qf[s], cur.k_op(s, 0, 0), cur.k_op(s, 1, 0));
-                MmaOp<M>::run((s & 1) ? s1b : s1, qf[s], cur.k_op(s, 0, 1), cur.k_op(s, 1, 1));
+                const u32* a = qf[SHARED_QUERY ? 0 : s];
+                if constexpr (SHARED_QUERY) {
+                    if (cur.k_block_starts(s))
+                        cur.load_k_words(stage, step * STEP, lanes, cur.k_block(s));
+                    q_shared.load(qf[0], s);
+                }
+                MmaOp<M>::run((s & 1) ? s0b : s0, a, cur.k_op(s, 0, 0), cur.k_op(s, 1, 0));
+                MmaOp<M>::run((s & 1) ? s1b : s1, a, cur.k_op(s, 0, 1), cur.k_op(s, 1, 1));
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -148,8 +218,12 @@ CUPA_FN void decode_partition_mma16(
                 }
             }
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
+            for (int j = 0; j < NT; ++j) {
+                if constexpr (SHARED_QUERY)
+                    if (cur.v_block_starts(j))
+                        cur.load_v_words(stage, step * STEP, lanes, cur.v_block(j));
                 MmaOp<M>::run(acc[j], pf, cur.v_op(j, 0), cur.v_op(j, 1));
+            }
         }
     }
     CUPA_PHASE_STAMP(PHASE_CHUNKS_DONE);
