@@ -176,12 +176,13 @@ def test_hip_link_fails_on_a_missing_device_function():
 
 
 def test_ring_layout_of_the_python_mirror_matches_the_kernels():
-    """catalogue.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory and
-    steps per warp (the planner and the launch use them), the catalogue the largest cluster and
-    validation the block sizes a cache may have; the kernel source states them again (KvRing,
-    mma_shared_bytes). NVRTC checks that both say the same, for every variant, each in a module
-    of its own defines (catalogue.module_defines: the wide and deep forms' threads and ring stages;
-    NVIDIA only: these kernels do not exist for HIP)."""
+    """catalogue.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory, rows
+    and steps per warp (the planner and the launch use them), the catalogue the largest cluster
+    and validation the block sizes a cache may have; the kernel source states them again (KvRing,
+    mma_shared_bytes, and for the 16-row kernel Mma16Shape, whose query may follow the ring).
+    NVRTC checks that both say the same, for every variant, each in a module of its own defines
+    (catalogue.module_defines: the wide and deep forms' threads and ring stages; NVIDIA only:
+    these kernels do not exist for HIP)."""
     require_compilers([nvrtc_missing()])
     modules: dict = {}
     for v in catalogue.all_mma_variants():
@@ -192,9 +193,13 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
         for v in mma:
             cache = catalogue._cache_type(v.dtype, v.cache)
             dense = v.ring_stages if v.dense else 0  # KvRing's DENSE_STAGES
-            checks += [f"static_assert(cupa::mma_shared_bytes<{cache}, {v.head_size}, "
-                       f"{v.heads}, {dense}>() == {v.shared_bytes}, \"{v.partition_name}: "
-                       f"shared bytes\");",
+            kernel_bytes = (f"cupa::Mma16Shape<{cache}, {v.head_size}>::BYTES" if v.heads == 16
+                            else f"cupa::mma_shared_bytes<{cache}, {v.head_size}, 8, {dense}>()")
+            if v.heads == 16:
+                checks.append(f"static_assert(cupa::Mma16Shape<{cache}, {v.head_size}>::ROWS == "
+                              f"{v.rows}, \"{v.partition_name}: rows\");")
+            checks += [f"static_assert({kernel_bytes} == {v.shared_bytes}, "
+                       f"\"{v.partition_name}: shared bytes\");",
                        f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {dense}>::"
                        f"WARP_STEPS == {v.warp_steps}, \"{v.partition_name}: steps per warp\");",
                        f"static_assert(cupa::KvRing<{cache}, {v.head_size}>::MAX_BLOCK_SIZE >= "
