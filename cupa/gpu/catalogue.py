@@ -204,7 +204,7 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def warp_steps(self) -> int:
         """16-token steps each warp computes side by side per chunk (KvRing::WARP_STEPS)."""
-        staged = staged_head_size(self.head_size)
+        staged = staged_head_size(self.head_size, self.cache)
         return 2 if self.cache and staged == 128 and not self.dense else 1
 
     @property
@@ -235,7 +235,7 @@ class DecodeMmaVariant(_TwoPhase):
         of 16-bit query rows where it reads them from there (MMA16_SHARED_QUERY_HEAD_SIZES).
         Rows are staged at staged_head_size. The kernel traps if given less."""
         chunk = 16 * (self.threads // 32) * self.warp_steps
-        kv_bytes = chunk * staged_head_size(self.head_size) * (1 if self.cache else 2)
+        kv_bytes = chunk * staged_head_size(self.head_size, self.cache) * (1 if self.cache else 2)
         stages = self.ring_stages or (2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
@@ -275,8 +275,9 @@ class DecodeMmaVariant(_TwoPhase):
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_HEAD_SIZES = (64, 128, 256)
 # The other supported head sizes. A tensor-core kernel stages their K/V rows in shared memory at
-# the next of MMA_HEAD_SIZES (staged_head_size) and computes at their own size: whole k16 steps
-# and 16-dim output tiles. Whether they run there is dispatch's CUPA_STAGED_HEADS.
+# the next of MMA_HEAD_SIZES or at OWN_WIDTH_HEAD_SIZES' own width (staged_head_size) and
+# computes at their own size: whole k16 steps and 16-dim output tiles. Whether they run there is
+# dispatch's CUPA_STAGED_HEADS.
 MMA_STAGED_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d not in MMA_HEAD_SIZES)
 MMA_HEAD_TILES = (8, 16)
 # The 16-row kernel keeps a 16-row tile's query fragments and output accumulators in registers
@@ -286,10 +287,20 @@ MMA_HEAD_TILES = (8, 16)
 MMA16_SHARED_QUERY_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d > 128)
 
 
-def staged_head_size(head_size: int) -> int:
+# 16-bit K/V rows staged at their own width: at head 96 a 128-byte head and a 64-byte tail, each
+# swizzled on its own (KvRing::stored_unit in ring.cuh), so the ring of 2 workgroups a
+# multiprocessor holds 4 stages instead of 3: 1-3% faster on the H200 (docs/perf-log.md v41).
+# Head 80's 4 stages (a 32-byte tail) were level to 3% slower; head 112's would not fit twice.
+OWN_WIDTH_HEAD_SIZES = (96,)
+
+
+def staged_head_size(head_size: int, cache=None) -> int:
     """The head size a tensor-core kernel stages a K/V row at in shared memory (KvRing's
-    staged_head_size in decode_mma.cu): the next of 64, 128 and 256, so that its swizzle
-    permutes whole 128-byte groups."""
+    staged_head_size in decode_mma.cu): its own over a 16-bit cache (cache None) at
+    OWN_WIDTH_HEAD_SIZES, else the next of 64, 128 and 256, so that its swizzle permutes whole
+    128-byte groups."""
+    if cache is None and head_size in OWN_WIDTH_HEAD_SIZES:
+        return head_size
     return next(size for size in MMA_HEAD_SIZES if head_size <= size)
 
 

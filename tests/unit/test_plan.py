@@ -85,6 +85,29 @@ def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, a
                       catalogue.DecodeVariant)
 
 
+@pytest.mark.parametrize("head_size, cache, staged, stages", [
+    (80, None, 128, 3),     # staged at 128, 3 stages of 32 KB
+    (96, None, 96, 4),      # own width: 192-byte rows, 4 stages of 24 KB
+    (112, None, 128, 3),    # a tail of 6 units: staged at 128, 3 stages of 32 KB
+    (96, "fp8", 128, 3),    # fp8 rows staged at 128 (two steps a warp), 3 stages of 32 KB
+    (192, None, 256, 2),    # staged at 256: sm_80's ring of 2 stages of 64 KB
+])
+def test_rows_staged_at_their_own_width_take_a_deeper_ring(head_size, cache, staged, stages):
+    """16-bit rows at head 96 are staged at their own width, so the ring of two workgroups a
+    multiprocessor holds a fourth stage; the others keep a staged width of 128 or 256 (KvRing in
+    ring.cuh; the offline ring-layout check compares the kernel's bytes)."""
+    assert catalogue.staged_head_size(head_size, cache) == staged
+    for heads in (8, 16):
+        v = catalogue.DecodeMmaVariant("float16", head_size, heads, cache)
+        chunk = 64 * v.warp_steps
+        row_bytes = staged * (1 if cache else 2)
+        ring = stages * 2 * chunk * row_bytes + 2 * stages * chunk * 4
+        merge = 4 * heads * head_size * 4
+        query = 16 * head_size * 2 if v.shared_query else 0
+        assert v.shared_bytes == max(ring, merge) + query, (heads, v)
+        assert v.workgroups_per_sm == (1 if staged == 256 and not cache else 2)
+
+
 @pytest.mark.parametrize("dtype, head_size, rows, arch, fmt, expected, power", [
     # OCP e4m3 on sm_89+: hardware conversion, exact values (power 1)
     ("float16", 128, 8, "sm_90", "fp8_e4m3", "cupa_decode_mma8_f16kv8fn_d128", 1),
@@ -130,7 +153,7 @@ def test_tensor_core_kernels_fit_their_shared_memory(arch):
         assert 0 < v.shared_bytes <= per_block, v
         if arch == "sm_90":  # + 1 KB reserved per workgroup
             assert v.workgroups_per_sm * (v.shared_bytes + 1024) <= per_sm, v
-            staged = catalogue.staged_head_size(v.head_size)  # 192 is staged at 256
+            staged = catalogue.staged_head_size(v.head_size, v.cache)  # 192 is staged at 256
             one = v.wide or (staged == 256 and not v.cache)
             assert v.workgroups_per_sm == (1 if one else 2), v
         head_rows = 8 if v.heads == 8 else 16

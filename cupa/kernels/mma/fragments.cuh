@@ -109,16 +109,21 @@ struct KvStep {
     static constexpr int BLOCKS = (D * (int)sizeof(C) + 31) / 32;
     u32 k[BLOCKS][4], v[BLOCKS][4];
 
-    // A lane's byte offsets from a step's first row for column blocks j = 0..3 (K, then V);
-    // block j + 4 is 128 bytes past block j (the swizzle only permutes units within 128 bytes).
-    struct Lanes { u32 k[4], v[4]; };
+    // A lane's byte offsets from a step's first row for column blocks j = 0..LANE_BLOCKS - 1 (K,
+    // then V). In a row of whole 128-byte groups block j + 4 is 128 bytes past block j (the
+    // swizzle permutes units within 128 bytes); an own-width row's tail has offsets of its own.
+    static constexpr int LANE_BLOCKS = R::OWN_WIDTH ? BLOCKS : BLOCKS < 4 ? BLOCKS : 4;
+    struct Lanes { u32 k[LANE_BLOCKS], v[LANE_BLOCKS]; };
     CUPA_FN static void lane_offsets(int lane, bool rows_inner, u32* out) {
         const int matrix = lane >> 3;
         const int row = (lane & 7) + 8 * (rows_inner ? matrix & 1 : matrix >> 1);
         const int unit = rows_inner ? matrix >> 1 : matrix & 1;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-            out[j] = (u32)pinned(row * R::ROW_BYTES + 16 * ((2 * j + unit) ^ R::swizzle(row)));
+        for (int j = 0; j < LANE_BLOCKS; ++j)
+            out[j] = (u32)pinned(row * R::ROW_BYTES + 16 * R::stored_unit(2 * j + unit, row));
+    }
+    CUPA_FN static u32 block_offset(const u32* offsets, int j) {
+        return j < LANE_BLOCKS ? offsets[j] : offsets[j & 3] + 128 * (j >> 2);
     }
     CUPA_FN static Lanes lanes(int lane) {
         Lanes l;
@@ -134,11 +139,11 @@ struct KvStep {
     // all of K, all of V, or both.
     CUPA_FN void load_k_words(const unsigned char* stage, int r0, const Lanes& l, int j) {
         const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES;
-        load_matrices(k[j], rows + l.k[j & 3] + 128 * (j >> 2));
+        load_matrices(k[j], rows + block_offset(l.k, j));
     }
     CUPA_FN void load_v_words(const unsigned char* stage, int r0, const Lanes& l, int j) {
         const u32 rows = shared_address(stage) + r0 * R::ROW_BYTES + R::KV_BYTES;
-        load_matrices_transposed(v[j], rows + l.v[j & 3] + 128 * (j >> 2));
+        load_matrices_transposed(v[j], rows + block_offset(l.v, j));
     }
     CUPA_FN void load_k(const unsigned char* stage, int r0, const Lanes& l) {
 #pragma unroll

@@ -37,13 +37,16 @@ CUPA_FN u32 dynamic_shared_bytes() {
 }
 
 
-// The head size a K/V row is staged at: the next of 64, 128 and 256. A head size between them
-// (80, 96, 112, 192) is copied into the first D * sizeof(C) bytes of a row of that size, so the
-// swizzle below permutes whole groups of 8 units. The units past D are never copied, and no
-// operand takes them: the warps compute D / 16 k16 steps and D / 16 output m-tiles.
-// catalogue.staged_head_size mirrors it.
-__host__ __device__ constexpr int staged_head_size(int d) {
-    return d <= 64 ? 64 : d <= 128 ? 128 : 256;
+// The head size a K/V row of ITEM-byte elements is staged at. 16-bit rows at head 96 at their
+// own width: a 128-byte head and a 64-byte tail, each swizzled on its own (KvRing::stored_unit),
+// so the ring of two workgroups a multiprocessor holds 4 stages instead of 3 (docs/perf-log.md
+// v41: 1-3% faster; head 80's 4 stages were not). Other head sizes: the next of 64, 128 and 256;
+// a head size between them (80, 112, 192, and fp8 at 96) is copied into the first D * ITEM bytes
+// of a row of that size, so the swizzle permutes whole groups of 8 units. The units past D are
+// never copied, and no operand takes them: the warps compute D / 16 k16 steps and D / 16 output
+// m-tiles. catalogue.staged_head_size mirrors it.
+__host__ __device__ constexpr int staged_head_size(int d, int item) {
+    return item == 2 && d == 96 ? d : d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
 
 // Layout of one stage: K rows, then V rows (CHUNK rows of ROW_BYTES each). After the stages:
@@ -60,7 +63,7 @@ struct KvRing {
     // step's work for half the bytes), else one. (At head 64 the larger ring cost the fp8
     // kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
     // docs/perf-log.md v12.)
-    static constexpr int STAGED_D = staged_head_size(D);
+    static constexpr int STAGED_D = staged_head_size(D, (int)sizeof(C));
     static constexpr int WARP_STEPS =
         DENSE_STAGES == 0 && sizeof(C) == 1 && STAGED_D == 128 ? 2 : 1;
     static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
@@ -83,7 +86,10 @@ struct KvRing {
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     // A copy pass is one cp.async a thread: whole rows, a warp's instruction covering 512
     // contiguous bytes (2-4 rows). Rows ROWS_PER_PASS apart share a swizzle (see pass_offset).
-    static constexpr int ROWS_PER_PASS = CUPA_THREADS / UNITS;
+    // Rows of 12 units (own width) take 8 rows a pass, and the threads past COPY_THREADS copy
+    // nothing.
+    static constexpr int ROWS_PER_PASS = UNITS % 8 == 0 || UNITS < 8 ? CUPA_THREADS / UNITS : 8;
+    static constexpr int COPY_THREADS = ROWS_PER_PASS * UNITS;
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
                   "ring layout: a thread's copy rows share their swizzle (see pass_offset)");
@@ -96,11 +102,21 @@ struct KvRing {
     static constexpr int PHASES = ROWS_PER_PASS >= MAX_BLOCK_SIZE ? 1 : MAX_BLOCK_SIZE / ROWS_PER_PASS;
     static_assert(CHUNK % MAX_BLOCK_SIZE == 0, "chunks start at the same row of a block");
 
-    // Unit u of row r is stored at unit u ^ swizzle(r), so the 8 rows an ldmatrix reads at one
-    // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups; 64-byte rows (fp8
-    // at head 64) pair up in a 128-byte line. (A 16-byte row pad does the same and was measured
-    // 7% slower at 1 GB: it misaligns the 128-byte cp.async writes.)
+    // Unit u of row r is stored at unit stored_unit(u, r), so the 8 rows an ldmatrix reads at one
+    // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups: u ^ swizzle(r), and
+    // 64-byte rows (fp8 at head 64) pair up in a 128-byte line. An own-width row (12 units)
+    // permutes its 4-unit tail within itself by (r >> 1) & 3: rows r and r + 2 start on the same
+    // bank group, so they take different units of the tail; in the head, u ^ (r & 7) keeps the 8
+    // rows apart at 12 units too (every column checked by enumeration, docs/perf-log.md v41).
+    // (A 16-byte row pad does the same and was measured 7% slower at 1 GB: it misaligns the
+    // 128-byte cp.async writes.)
     CUPA_FN static int swizzle(int r) { return UNITS >= 8 ? (r & 7) : ((r >> 1) & 3); }
+    static constexpr bool OWN_WIDTH = UNITS % 8 != 0 && UNITS > 8;
+    static_assert(!OWN_WIDTH || UNITS == 12, "an own-width row: a 128-byte head and 64-byte tail");
+    CUPA_FN static int stored_unit(int u, int r) {
+        if (OWN_WIDTH && u >= 8) return 8 + ((u - 8) ^ ((r >> 1) & 3));
+        return u ^ swizzle(r);
+    }
 
     // Where a thread's copy of pass p lands, from its pass-0 offset `dst` (row r0 < ROWS_PER_PASS).
     // Passes of 8 or more rows keep the row's swizzle; with 4-row passes (512-byte rows) the odd
@@ -161,6 +177,7 @@ struct KvStream {
         const i32* ids = id_slot(chunk) + r0;
         const int t0 = start + chunk * R::CHUNK + r0;
         if (R::COPY_UNITS < R::UNITS && (int)threadIdx.x % R::UNITS >= R::COPY_UNITS) return;
+        if (R::COPY_THREADS < CUPA_THREADS && (int)threadIdx.x >= R::COPY_THREADS) return;
 #pragma unroll
         for (int p = 0; p < R::PASSES; ++p) {
             const i32 id = ids[p * R::ROWS_PER_PASS];
@@ -208,7 +225,7 @@ struct KvStream {
         block_bytes = (u32)(rows.block_stride * (i64)sizeof(C));
         end = rows.end;  // the real end: the early ids past it are never used
         num_blocks = rows.num_blocks;
-        dst = pinned(r0 * R::ROW_BYTES + 16 * (u ^ R::swizzle(r0)));
+        dst = pinned(r0 * R::ROW_BYTES + 16 * R::stored_unit(u, r0));
         chunks = (end - start + R::CHUNK - 1) / R::CHUNK;
         wait_copies<0>();
         __syncthreads();
