@@ -1,8 +1,9 @@
 // Phase 1 of paged decode on NVIDIA tensor cores (sm_80+, fp16/bf16 queries, head size 64, 128
-// or 256, or 80, 96, 112 and 192 staged at the next of those (KvRing), cache of the query type or
-// fp8 codes). Two kernels: mma8 (query rows as the 8 columns; up to 8 rows; every head size) and
-// mma16 (query rows as the 16 rows of an m-tile, one tile per warp, up to 64 rows per
-// workgroup; head sizes up to 128). A query row is a (new token, query head) pair of the KV
+// or 256, or 80, 96, 112 and 192 staged at the next of those or at their own width (KvRing),
+// cache of the query type or fp8 codes). Two kernels: mma8 (query rows as the 8 columns; up to
+// 8 rows; every head size) and mma16 (query rows as the 16 rows of an m-tile, one tile per warp,
+// up to 64 rows per workgroup; above head 128 one tile a workgroup, its query in shared
+// memory: Mma16Shape). A query row is a (new token, query head) pair of the KV
 // head: the heads of the GQA group, times the new tokens in multi-token decode (see
 // begin_partition).
 //
