@@ -86,9 +86,11 @@ struct KvRing {
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     // A copy pass is one cp.async a thread: whole rows, a warp's instruction covering 512
     // contiguous bytes (2-4 rows). Rows ROWS_PER_PASS apart share a swizzle (see pass_offset).
-    // Rows of 12 units (own width) take 8 rows a pass, and the threads past COPY_THREADS copy
-    // nothing.
-    static constexpr int ROWS_PER_PASS = UNITS % 8 == 0 || UNITS < 8 ? CUPA_THREADS / UNITS : 8;
+    // An own-width row (12 units: a 128-byte head and a 64-byte tail, see stored_unit) takes 8
+    // rows a pass, and the threads past COPY_THREADS copy nothing.
+    static constexpr bool OWN_WIDTH = UNITS % 8 != 0 && UNITS > 8;
+    static_assert(!OWN_WIDTH || UNITS == 12, "an own-width row: a 128-byte head and 64-byte tail");
+    static constexpr int ROWS_PER_PASS = OWN_WIDTH ? 8 : CUPA_THREADS / UNITS;
     static constexpr int COPY_THREADS = ROWS_PER_PASS * UNITS;
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
@@ -111,8 +113,6 @@ struct KvRing {
     // (A 16-byte row pad does the same and was measured 7% slower at 1 GB: it misaligns the
     // 128-byte cp.async writes.)
     CUPA_FN static int swizzle(int r) { return UNITS >= 8 ? (r & 7) : ((r >> 1) & 3); }
-    static constexpr bool OWN_WIDTH = UNITS % 8 != 0 && UNITS > 8;
-    static_assert(!OWN_WIDTH || UNITS == 12, "an own-width row: a 128-byte head and 64-byte tail");
     CUPA_FN static int stored_unit(int u, int r) {
         if (OWN_WIDTH && u >= 8) return 8 + ((u - 8) ^ ((r >> 1) & 3));
         return u ^ swizzle(r);
