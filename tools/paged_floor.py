@@ -16,6 +16,11 @@ learn before its first K/V load:
 - paged, ids early: the block ids asked for with the length (cupa's one-wave grids since v29).
 - in order: the same with every sequence's blocks in order (identity block tables), so that
   the shuffle's cost (DRAM locality) shows apart from the lookups'. cupa runs that way too.
+- cupa's copies: the copy pattern of cupa's KvRing (chunk_floor) in the shuffled blocks: 64-token
+  chunks in a ring of KvRing's stages, each thread's 16-byte unit of rows a pass apart, rows at
+  their own width (KvRing stages heads 80 and 112 at 128; this row does not), one wait and one
+  barrier a chunk; with rows that leave threads without a copy slot, also "all warps", the slots
+  spread over every warp (v42's pattern). What cupa adds above this row is its products'.
 
 Next to them: the grid-stride read of the same bytes (the read floor of docs/performance.md,
 tools/sweep_partitions.py's),
@@ -24,6 +29,7 @@ median of --iters), in one process.
 
     python3 tools/paged_floor.py --shapes 1x4096,1x32768,32x2048,128x1024
     python3 tools/paged_floor.py --kv-heads 4 --shapes 1x4096,32x2048,128x1024
+    python3 tools/paged_floor.py --head-size 96 --shapes 64x4096,16x16384,128x1024
 """
 import argparse
 import sys
@@ -42,6 +48,7 @@ from sweep_partitions import stream_read  # noqa: E402
 
 THREADS = 128
 MODES = {"dense": 0, "paged": 1, "paged, ids early": 2}
+CHUNK_MAX_IDS = 1024  # the block ids chunk_floor holds (its MAX_IDS): partitions of 16384 tokens
 RING_BYTES = 3 * 2 * THREADS * 8 * 16  # the kernel's STAGES x (K, V) x THREADS x PER x 16 bytes
 SM_SHARED_KB = 228  # a multiprocessor's shared memory (sm_90), 1 KB of it each workgroup's own
 
@@ -49,8 +56,8 @@ SM_SHARED_KB = 228  # a multiprocessor's shared memory (sm_90), 1 KB of it each 
 # flight. A step is THREADS x PER units of K and as many of V (32 KB); a ring of three steps keeps
 # two to three in flight (cupa's ring: two chunks of 32 KB). Block ids are read a piece of THREADS
 # blocks at a time, the next piece's while the current one streams. A (block, KV head) is
-# 2^unit_shift 16-byte units.
-_FLOORS = r"""
+# BLOCK_UNITS 16-byte units.
+FLOOR_SOURCE = r"""
 #define THREADS 128
 #define PER 8
 #define STAGES 3
@@ -63,6 +70,8 @@ __device__ __forceinline__ void copy_cg(uint4* dst, const uint4* src, bool valid
                  :: "r"(shared), "l"(src), "r"(valid ? 16 : 0));
 }
 
+// BLOCK_UNITS: the 16-byte units of one (block, KV head), a compile-time constant so that a
+// unit's block is a multiply, not a division, at every head size (192 units at head 96).
 // Copies units [0, n) of a region, unit j from k + address(j) and v + address(j).
 template <typename Address>
 __device__ __forceinline__ void stream(uint4* ring, const uint4* k, const uint4* v, int n,
@@ -87,7 +96,7 @@ __device__ __forceinline__ void stream(uint4* ring, const uint4* k, const uint4*
 extern "C" __global__ void __launch_bounds__(THREADS)
 paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
             const int* __restrict__ tables, const int* __restrict__ lens, int max_blocks,
-            int block_shift, int unit_shift, int row_units, int kv_heads, int capacity,
+            int block_shift, int row_units, int kv_heads, int capacity,
             int partition, int mode) {
     __shared__ int ids[THREADS];
     extern __shared__ uint4 ring[];
@@ -106,20 +115,76 @@ paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
     } else if (start < end) {
         const int last = (end - 1) >> block_shift;  // the partition's last block, inclusive
         if (mode == 1 && first + t <= last) next = row[first + t];
-        const int mask = (1 << unit_shift) - 1;
         for (int b0 = first; b0 <= last; b0 += THREADS) {
             __syncthreads();
             ids[t] = next;
             __syncthreads();
             next = b0 + THREADS + t <= last ? row[b0 + THREADS + t] : 0;
             const int blocks = min(THREADS, last + 1 - b0);
-            stream(ring, key, value, blocks << unit_shift, [&](int j) {
-                return ((long long)ids[j >> unit_shift] * kv_heads + head) * (mask + 1) +
-                       (j & mask);
+            stream(ring, key, value, blocks * BLOCK_UNITS, [&](int j) {
+                return ((long long)ids[j / BLOCK_UNITS] * kv_heads + head) * BLOCK_UNITS +
+                       j % BLOCK_UNITS;
             });
         }
     }
 }
+// cupa's copy pattern without its products: chunks of CHUNK tokens staged in a ring of STAGES
+// chunks (K then V), copy slot i taking 16-byte unit i % ROW_UNITS of rows i / ROW_UNITS +
+// p * ROWS_PER_PASS, ROWS_PER_PASS * ROW_UNITS slots in threads 0.. (SPREAD 0: cupa's KvRing) or
+// in the first COPY_LANES lanes of every warp (SPREAD 1: v42's), one wait and one barrier a
+// chunk, the partition's block ids read into shared memory first (cupa's come earlier, by
+// cp.async: this floor's prologue is one round trip longer).
+#ifdef ROW_UNITS
+#define CHUNK 64
+#define MAX_IDS 1024
+#define COPY_SLOTS (ROWS_PER_PASS * ROW_UNITS)
+#define COPY_LANES (COPY_SLOTS / (THREADS / 32))
+extern "C" __global__ void __launch_bounds__(THREADS)
+chunk_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
+            const int* __restrict__ tables, const int* __restrict__ lens, int max_blocks,
+            int block_shift, int kv_heads, int partition) {
+    __shared__ int ids[MAX_IDS];
+    extern __shared__ uint4 ring[];
+    const int part = blockIdx.x, head = blockIdx.y, seq = blockIdx.z, t = threadIdx.x;
+    const int start = part * partition;
+    const int end = min(lens[seq], start + partition);
+    if (start >= end) return;
+    const int first = start >> block_shift;
+    const int blocks = ((end - 1) >> block_shift) - first + 1;
+    const int* row = tables + (long long)seq * max_blocks;
+    for (int i = t; i < blocks && i < MAX_IDS; i += THREADS) ids[i] = row[first + i];
+    __syncthreads();
+    const int slot = SPREAD ? (t >> 5) * COPY_LANES + (t & 31) : t;
+    const bool copies = SPREAD ? (t & 31) < COPY_LANES : t < COPY_SLOTS;
+    const int r0 = slot / ROW_UNITS, u = slot % ROW_UNITS;
+    const int chunks = (end - start + CHUNK - 1) / CHUNK;
+    const int mask = (1 << block_shift) - 1;
+    auto issue = [&](int c) {
+        uint4* stage = ring + (c % STAGES) * 2 * CHUNK * ROW_UNITS;
+#pragma unroll
+        for (int p = 0; p < CHUNK / ROWS_PER_PASS; ++p) {
+            const int r = r0 + p * ROWS_PER_PASS, token = start + c * CHUNK + r;
+            const bool valid = copies && token < end;
+            const int block = valid ? ids[(token >> block_shift) - first] : 0;
+            const long long off =
+                ((long long)block * kv_heads + head) * BLOCK_UNITS + (token & mask) * ROW_UNITS + u;
+            copy_cg(stage + r * ROW_UNITS + u, key + (valid ? off : 0), valid);
+            copy_cg(stage + (CHUNK + r) * ROW_UNITS + u, value + (valid ? off : 0), valid);
+        }
+    };
+    for (int c = 0; c < STAGES - 1; ++c) {
+        if (c < chunks) issue(c);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int c = 0; c < chunks; ++c) {
+        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2));
+        __syncthreads();
+        if (c + STAGES - 1 < chunks) issue(c + STAGES - 1);
+        asm volatile("cp.async.commit_group;");
+    }
+    asm volatile("cp.async.wait_group 0;");
+}
+#endif
 """
 
 
@@ -149,18 +214,47 @@ def main():
     add_problem_arguments(p)
     args = p.parse_args()
     import cupy
-    module = cupy.RawModule(code=_FLOORS, options=("-std=c++17",))
-    floor_kernel = module.get_function("paged_floor")
     args.shared_bytes = shared_bytes(args.per_sm)
-    floor_kernel.max_dynamic_shared_size_bytes = args.shared_bytes
     timer = Timer(cupy, args.iters)
     rng = np.random.default_rng(0)
     print("us, L2 flushed by writing, median of", args.iters, flush=True)
     for batch, seq_len in batch_shapes(args.shapes):
-        floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args)
+        floors_of_shape(cupy, timer, rng, batch, seq_len, args)
 
 
-def floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args):
+def floor_kernel(cupy, block_units: int, nbytes: int):
+    """The floor kernel for (block, KV head) regions of block_units 16-byte units."""
+    options = ("-std=c++17", f"-DBLOCK_UNITS={block_units}")
+    module = cupy.RawModule(code=FLOOR_SOURCE, options=options)
+    kernel = module.get_function("paged_floor")
+    kernel.max_dynamic_shared_size_bytes = nbytes
+    return kernel
+
+
+def chunk_layout(row_units: int) -> tuple[int, int]:
+    """(rows a copy pass, ring stages) of cupa's KvRing for a row of row_units 16-byte units
+    staged at its own width: 8 rows a pass where a row is not a divisor of the 128 threads
+    (KvRing's own width), and the stage rule by the bytes of a 64-token chunk of K."""
+    rows = 8 if row_units > 8 and row_units % 8 else THREADS // row_units
+    if rows * row_units > THREADS or 64 % rows:
+        raise ValueError(f"no KvRing layout for rows of {row_units} units (cupa stages them "
+                         "wider)")
+    kv_bytes = 64 * row_units * 16
+    return rows, 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
+
+
+def chunk_kernel(cupy, row_units: int, block_units: int, spread: bool):
+    """The floor kernel with cupa's copy pattern (chunk_floor) and its dynamic shared bytes."""
+    rows, stages = chunk_layout(row_units)
+    options = ("-std=c++17", f"-DBLOCK_UNITS={block_units}", f"-DROW_UNITS={row_units}",
+               f"-DROWS_PER_PASS={rows}", f"-DSTAGES={stages}", f"-DSPREAD={int(spread)}")
+    kernel = cupy.RawModule(code=FLOOR_SOURCE, options=options).get_function("chunk_floor")
+    nbytes = stages * 2 * 64 * row_units * 16
+    kernel.max_dynamic_shared_size_bytes = nbytes
+    return kernel, nbytes
+
+
+def floors_of_shape(cupy, timer, rng, batch, seq_len, args):
     """Prints one shape's line."""
     query, key, value, tables, lens, options = decode_problem(cupy, rng, batch, seq_len, args)
     out = cupy.empty_like(query)
@@ -168,8 +262,8 @@ def floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args):
     block_size = key.shape[2]
     row_units = key.shape[3] * key.itemsize // 16
     grid = (plan.max_partitions, key.shape[1], batch)
+    kernel = floor_kernel(cupy, row_units * block_size, args.shared_bytes)
     scalars = (np.int32(tables.shape[1]), np.int32(log2_exact(block_size, "block size")),
-               np.int32(log2_exact(row_units * block_size, "units of a block")),
                np.int32(row_units), np.int32(key.shape[1]), np.int32(tables.shape[1] * block_size),
                np.int32(plan.partition_size))
     in_order = cupy.arange(tables.size, dtype=cupy.int32).reshape(tables.shape)
@@ -177,9 +271,21 @@ def floors_of_shape(cupy, floor_kernel, timer, rng, batch, seq_len, args):
     runs = [(name, mode, tables) for name, mode in MODES.items()]
     runs.append(("in order", MODES["paged, ids early"], in_order))
     for name, mode, block_tables in runs:
-        times[name] = timer.median_us(lambda: floor_kernel(
+        times[name] = timer.median_us(lambda: kernel(
             grid, (THREADS,), (key, value, block_tables, lens) + scalars + (np.int32(mode),),
             shared_mem=args.shared_bytes))
+    try:
+        chunked = [("cupa's copies", False)]
+        if chunk_layout(row_units)[0] * row_units < THREADS:  # copy slots that can be spread
+            chunked.append(("cupa's copies, all warps", True))
+    except ValueError:  # head 192's rows: cupa stages them at 256
+        chunked = []
+    if plan.partition_size // block_size <= CHUNK_MAX_IDS:
+        for name, spread in chunked:
+            chunk, nbytes = chunk_kernel(cupy, row_units, row_units * block_size, spread)
+            times[name] = timer.median_us(lambda: chunk(
+                grid, (THREADS,), (key, value, tables, lens) + scalars[:2]
+                + (scalars[3], scalars[5]), shared_mem=nbytes))
     times["grid-stride read"] = timer.median_us(lambda: stream_read(cupy, key, value))
     for name, block_tables in (("cupa", tables), ("cupa in order", in_order)):
         times[name] = timer.median_us(
