@@ -21,6 +21,10 @@ learn before its first K/V load:
   their own width (KvRing stages heads 80 and 112 at 128; this row does not), one wait and one
   barrier a chunk; with rows that leave threads without a copy slot, also "all warps", the slots
   spread over every warp (v42's pattern). What cupa adds above this row is its products'.
+- cupa's copies + R reads + C cycles (--stand-in R,C, repeatable): the same with a stand-in for
+  the products on each chunk, after its copies are issued: R 16-byte shared-memory reads of the
+  chunk's stage a thread, then C clock cycles of issuing. It bounds how much work a chunk can
+  carry before its copies stop hiding it.
 
 Next to them: the grid-stride read of the same bytes (the read floor of docs/performance.md,
 tools/sweep_partitions.py's),
@@ -30,6 +34,7 @@ median of --iters), in one process.
     python3 tools/paged_floor.py --shapes 1x4096,1x32768,32x2048,128x1024
     python3 tools/paged_floor.py --kv-heads 4 --shapes 1x4096,32x2048,128x1024
     python3 tools/paged_floor.py --head-size 96 --shapes 64x4096,16x16384,128x1024
+    python3 tools/paged_floor.py --head-size 96 --shapes 64x4096 --stand-in 12,0 --stand-in 0,2000
 """
 import argparse
 import sys
@@ -135,6 +140,12 @@ paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
 // chunk, the partition's block ids read into shared memory first (cupa's come earlier, by
 // cp.async: this floor's prologue is one round trip longer).
 #ifdef ROW_UNITS
+#ifndef SMEM_READS
+#define SMEM_READS 0
+#endif
+#ifndef WORK_CYCLES
+#define WORK_CYCLES 0
+#endif
 #define CHUNK 64
 #define MAX_IDS 1024
 #define COPY_SLOTS (ROWS_PER_PASS * ROW_UNITS)
@@ -176,16 +187,42 @@ chunk_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
         if (c < chunks) issue(c);
         asm volatile("cp.async.commit_group;");
     }
+    unsigned sink = 0;
     for (int c = 0; c < chunks; ++c) {
         asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2));
         __syncthreads();
         if (c + STAGES - 1 < chunks) issue(c + STAGES - 1);
         asm volatile("cp.async.commit_group;");
+        // A stand-in for cupa's products on chunk c (--stand-in): SMEM_READS 16-byte reads of
+        // its stage a thread (cupa's ldmatrix of a warp's 16 rows of K and V: 12 at head 96,
+        // 16 at head 128), then WORK_CYCLES clock cycles of issuing.
+        const uint4* stage = ring + (c % STAGES) * 2 * CHUNK * ROW_UNITS;
+#pragma unroll 1
+        for (int k = 0; k < SMEM_READS; ++k) {
+            const uint4 x = stage[(k * THREADS + t) % (2 * CHUNK * ROW_UNITS)];
+            sink ^= x.x ^ x.w;
+        }
+        if (WORK_CYCLES > 0) {
+            const long long t0 = clock64();
+            while (clock64() - t0 < WORK_CYCLES) sink = sink * 1664525u + 1013904223u;
+        }
     }
     asm volatile("cp.async.wait_group 0;");
+    if (sink == 0x9e3779b9u) ring[t] = make_uint4(sink, 0, 0, 0);  // keeps the reads
 }
 #endif
 """
+
+
+def stand_in(text: str) -> tuple[int, int]:
+    """'READS,CYCLES' of --stand-in -> (reads, cycles), both whole and not negative."""
+    try:
+        reads, cycles = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--stand-in: READS,CYCLES (two whole numbers), got {text!r}") from None
+    if reads < 0 or cycles < 0:
+        raise ValueError(f"--stand-in: READS and CYCLES are not negative, got {text!r}")
+    return reads, cycles
 
 
 def log2_exact(value: int, what: str) -> int:
@@ -211,6 +248,11 @@ def main():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--per-sm", type=int, default=2, choices=(1, 2),
                    help="workgroups of the floor kernels a multiprocessor holds")
+    p.add_argument("--stand-in", action="append", default=[], metavar="READS,CYCLES",
+                   type=stand_in,
+                   help="also time cupa's copies with a stand-in for the products on each "
+                        "chunk: READS 16-byte shared-memory reads a thread, then CYCLES of "
+                        "issuing (repeatable)")
     add_problem_arguments(p)
     args = p.parse_args()
     import cupy
@@ -243,11 +285,14 @@ def chunk_layout(row_units: int) -> tuple[int, int]:
     return rows, 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
 
 
-def chunk_kernel(cupy, row_units: int, block_units: int, spread: bool):
-    """The floor kernel with cupa's copy pattern (chunk_floor) and its dynamic shared bytes."""
+def chunk_kernel(cupy, row_units: int, block_units: int, spread: bool, reads: int = 0,
+                 cycles: int = 0):
+    """The floor kernel with cupa's copy pattern (chunk_floor) and its dynamic shared bytes;
+    reads and cycles: the stand-in for the products on each chunk (see chunk_floor)."""
     rows, stages = chunk_layout(row_units)
     options = ("-std=c++17", f"-DBLOCK_UNITS={block_units}", f"-DROW_UNITS={row_units}",
-               f"-DROWS_PER_PASS={rows}", f"-DSTAGES={stages}", f"-DSPREAD={int(spread)}")
+               f"-DROWS_PER_PASS={rows}", f"-DSTAGES={stages}", f"-DSPREAD={int(spread)}",
+               f"-DSMEM_READS={reads}", f"-DWORK_CYCLES={cycles}")
     kernel = cupy.RawModule(code=FLOOR_SOURCE, options=options).get_function("chunk_floor")
     nbytes = stages * 2 * 64 * row_units * 16
     kernel.max_dynamic_shared_size_bytes = nbytes
@@ -275,14 +320,18 @@ def floors_of_shape(cupy, timer, rng, batch, seq_len, args):
             grid, (THREADS,), (key, value, block_tables, lens) + scalars + (np.int32(mode),),
             shared_mem=args.shared_bytes))
     try:
-        chunked = [("cupa's copies", False)]
+        chunked = [("cupa's copies", False, 0, 0)]
         if chunk_layout(row_units)[0] * row_units < THREADS:  # copy slots that can be spread
-            chunked.append(("cupa's copies, all warps", True))
+            chunked.append(("cupa's copies, all warps", True, 0, 0))
+        for reads, cycles in args.stand_in:
+            chunked.append((f"cupa's copies + {reads} reads + {cycles} cycles", False, reads,
+                            cycles))
     except ValueError:  # head 192's rows: cupa stages them at 256
         chunked = []
     if plan.partition_size // block_size <= CHUNK_MAX_IDS:
-        for name, spread in chunked:
-            chunk, nbytes = chunk_kernel(cupy, row_units, row_units * block_size, spread)
+        for name, spread, reads, cycles in chunked:
+            chunk, nbytes = chunk_kernel(cupy, row_units, row_units * block_size, spread, reads,
+                                         cycles)
             times[name] = timer.median_us(lambda: chunk(
                 grid, (THREADS,), (key, value, tables, lens) + scalars[:2]
                 + (scalars[3], scalars[5]), shared_mem=nbytes))

@@ -47,3 +47,13 @@ def test_a_row_kvring_never_stages_is_refused():
     64-token chunk's."""
     with pytest.raises(ValueError, match="no KvRing layout for rows of 24 units"):
         tool_module("paged_floor").chunk_layout(24)
+
+
+def test_a_stand_in_is_two_whole_numbers():
+    assert tool_module("paged_floor").stand_in("12,2000") == (12, 2000)
+
+
+@pytest.mark.parametrize("text", ["12", "12,2000,3", "a,1", "1.5,2", "-1,0", "0,-5"])
+def test_anything_else_is_refused_as_a_stand_in(text):
+    with pytest.raises(ValueError, match="--stand-in"):
+        tool_module("paged_floor").stand_in(text)
