@@ -53,6 +53,7 @@ from sweep_partitions import stream_read  # noqa: E402
 
 THREADS = 128
 MODES = {"dense": 0, "paged": 1, "paged, ids early": 2}
+CHUNK_TOKENS = 64  # KvRing's chunk: 4 warps of one 16-token step (a 16-bit cache)
 CHUNK_MAX_IDS = 1024  # the block ids chunk_floor holds (its MAX_IDS): partitions of 16384 tokens
 RING_BYTES = 3 * 2 * THREADS * 8 * 16  # the kernel's STAGES x (K, V) x THREADS x PER x 16 bytes
 SM_SHARED_KB = 228  # a multiprocessor's shared memory (sm_90), 1 KB of it each workgroup's own
@@ -133,7 +134,8 @@ paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
         }
     }
 }
-// cupa's copy pattern without its products: chunks of CHUNK tokens staged in a ring of STAGES
+// cupa's copy pattern without its products (CHUNK, MAX_IDS, ROW_UNITS, ROWS_PER_PASS, STAGES and
+// SPREAD from the host: chunk_kernel): chunks of CHUNK tokens staged in a ring of STAGES
 // chunks (K then V), copy slot i taking 16-byte unit i % ROW_UNITS of rows i / ROW_UNITS +
 // p * ROWS_PER_PASS, ROWS_PER_PASS * ROW_UNITS slots in threads 0.. (SPREAD 0: cupa's KvRing) or
 // in the first COPY_LANES lanes of every warp (SPREAD 1: v42's), one wait and one barrier a
@@ -146,8 +148,6 @@ paged_floor(const uint4* __restrict__ key, const uint4* __restrict__ value,
 #ifndef WORK_CYCLES
 #define WORK_CYCLES 0
 #endif
-#define CHUNK 64
-#define MAX_IDS 1024
 #define COPY_SLOTS (ROWS_PER_PASS * ROW_UNITS)
 #define COPY_LANES (COPY_SLOTS / (THREADS / 32))
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -278,10 +278,10 @@ def chunk_layout(row_units: int) -> tuple[int, int]:
     staged at its own width: 8 rows a pass where a row is not a divisor of the 128 threads
     (KvRing's own width), and the stage rule by the bytes of a 64-token chunk of K."""
     rows = 8 if row_units > 8 and row_units % 8 else THREADS // row_units
-    if rows * row_units > THREADS or 64 % rows:
+    if rows * row_units > THREADS or CHUNK_TOKENS % rows:
         raise ValueError(f"no KvRing layout for rows of {row_units} units (cupa stages them "
                          "wider)")
-    kv_bytes = 64 * row_units * 16
+    kv_bytes = CHUNK_TOKENS * row_units * 16
     return rows, 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
 
 
@@ -290,11 +290,12 @@ def chunk_kernel(cupy, row_units: int, block_units: int, spread: bool, reads: in
     """The floor kernel with cupa's copy pattern (chunk_floor) and its dynamic shared bytes;
     reads and cycles: the stand-in for the products on each chunk (see chunk_floor)."""
     rows, stages = chunk_layout(row_units)
-    options = ("-std=c++17", f"-DBLOCK_UNITS={block_units}", f"-DROW_UNITS={row_units}",
+    options = ("-std=c++17", f"-DBLOCK_UNITS={block_units}", f"-DCHUNK={CHUNK_TOKENS}",
+               f"-DMAX_IDS={CHUNK_MAX_IDS}", f"-DROW_UNITS={row_units}",
                f"-DROWS_PER_PASS={rows}", f"-DSTAGES={stages}", f"-DSPREAD={int(spread)}",
                f"-DSMEM_READS={reads}", f"-DWORK_CYCLES={cycles}")
     kernel = cupy.RawModule(code=FLOOR_SOURCE, options=options).get_function("chunk_floor")
-    nbytes = stages * 2 * 64 * row_units * 16
+    nbytes = stages * 2 * CHUNK_TOKENS * row_units * 16
     kernel.max_dynamic_shared_size_bytes = nbytes
     return kernel, nbytes
 
@@ -308,9 +309,11 @@ def floors_of_shape(cupy, timer, rng, batch, seq_len, args):
     row_units = key.shape[3] * key.itemsize // 16
     grid = (plan.max_partitions, key.shape[1], batch)
     kernel = floor_kernel(cupy, row_units * block_size, args.shared_bytes)
-    scalars = (np.int32(tables.shape[1]), np.int32(log2_exact(block_size, "block size")),
-               np.int32(row_units), np.int32(key.shape[1]), np.int32(tables.shape[1] * block_size),
-               np.int32(plan.partition_size))
+    max_blocks = np.int32(tables.shape[1])
+    block_shift = np.int32(log2_exact(block_size, "block size"))
+    kv_heads, partition = np.int32(key.shape[1]), np.int32(plan.partition_size)
+    scalars = (max_blocks, block_shift, np.int32(row_units), kv_heads,
+               np.int32(tables.shape[1] * block_size), partition)
     in_order = cupy.arange(tables.size, dtype=cupy.int32).reshape(tables.shape)
     times = {}
     runs = [(name, mode, tables) for name, mode in MODES.items()]
@@ -320,21 +323,22 @@ def floors_of_shape(cupy, timer, rng, batch, seq_len, args):
             grid, (THREADS,), (key, value, block_tables, lens) + scalars + (np.int32(mode),),
             shared_mem=args.shared_bytes))
     try:
-        chunked = [("cupa's copies", False, 0, 0)]
-        if chunk_layout(row_units)[0] * row_units < THREADS:  # copy slots that can be spread
-            chunked.append(("cupa's copies, all warps", True, 0, 0))
-        for reads, cycles in args.stand_in:
-            chunked.append((f"cupa's copies + {reads} reads + {cycles} cycles", False, reads,
-                            cycles))
+        rows_a_pass = chunk_layout(row_units)[0]
     except ValueError:  # head 192's rows: cupa stages them at 256
-        chunked = []
-    if plan.partition_size // block_size <= CHUNK_MAX_IDS:
-        for name, spread, reads, cycles in chunked:
-            chunk, nbytes = chunk_kernel(cupy, row_units, row_units * block_size, spread, reads,
-                                         cycles)
-            times[name] = timer.median_us(lambda: chunk(
-                grid, (THREADS,), (key, value, tables, lens) + scalars[:2]
-                + (scalars[3], scalars[5]), shared_mem=nbytes))
+        rows_a_pass = 0
+    chunked = []  # (name, spread, reads, cycles) of the chunk_floor rows
+    if rows_a_pass and plan.partition_size // block_size <= CHUNK_MAX_IDS:
+        chunked.append(("cupa's copies", False, 0, 0))
+        if rows_a_pass * row_units < THREADS:  # copy slots that can be spread
+            chunked.append(("cupa's copies, all warps", True, 0, 0))
+        chunked += [(f"cupa's copies + {reads} reads + {cycles} cycles", False, reads, cycles)
+                    for reads, cycles in args.stand_in]
+    for name, spread, reads, cycles in chunked:
+        chunk, nbytes = chunk_kernel(cupy, row_units, row_units * block_size, spread, reads,
+                                     cycles)
+        times[name] = timer.median_us(lambda: chunk(
+            grid, (THREADS,), (key, value, tables, lens, max_blocks, block_shift, kv_heads,
+                               partition), shared_mem=nbytes))
     times["grid-stride read"] = timer.median_us(lambda: stream_read(cupy, key, value))
     for name, block_tables in (("cupa", tables), ("cupa in order", in_order)):
         times[name] = timer.median_us(

@@ -26,7 +26,8 @@ def test_the_floor_kernel_compiles_for_any_region_without_a_division(head_size, 
     rows, stages = tool.chunk_layout(row_units)
     for spread, stand_in in ((0, []), (1, []), (0, ["-DSMEM_READS=12", "-DWORK_CYCLES=2000"])):
         ptx = nvrtc_compile(tool.FLOOR_SOURCE, [
-            "-std=c++17", f"-DBLOCK_UNITS={units}", f"-DROW_UNITS={row_units}",
+            "-std=c++17", f"-DBLOCK_UNITS={units}", f"-DCHUNK={tool.CHUNK_TOKENS}",
+            f"-DMAX_IDS={tool.CHUNK_MAX_IDS}", f"-DROW_UNITS={row_units}",
             f"-DROWS_PER_PASS={rows}", f"-DSTAGES={stages}", f"-DSPREAD={spread}"] + stand_in)
         assert ".entry paged_floor" in ptx and ".entry chunk_floor" in ptx
         assert not re.search(r"\b(div|rem)\.[su]", ptx), "an integer division in a floor kernel"
