@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupa  # noqa: E402
 from cupa.bench.harness import Timer  # noqa: E402
 from cupa.bench.peers import sdpa_peer  # noqa: E402
+from cupa.gpu.catalogue import kv_ring_stages  # noqa: E402
 from decode_problem import add_problem_arguments, batch_shapes, decode_problem  # noqa: E402
 from sweep_partitions import stream_read  # noqa: E402
 
@@ -276,13 +277,12 @@ def floor_kernel(cupy, block_units: int, nbytes: int):
 def chunk_layout(row_units: int) -> tuple[int, int]:
     """(rows a copy pass, ring stages) of cupa's KvRing for a row of row_units 16-byte units
     staged at its own width: 8 rows a pass where a row is not a divisor of the 128 threads
-    (KvRing's own width), and the stage rule by the bytes of a 64-token chunk of K."""
+    (KvRing's own width), and catalogue.kv_ring_stages for a 64-token chunk of K."""
     rows = 8 if row_units > 8 and row_units % 8 else THREADS // row_units
     if rows * row_units > THREADS or CHUNK_TOKENS % rows:
         raise ValueError(f"no KvRing layout for rows of {row_units} units (cupa stages them "
                          "wider)")
-    kv_bytes = CHUNK_TOKENS * row_units * 16
-    return rows, 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
+    return rows, kv_ring_stages(CHUNK_TOKENS * row_units * 16)
 
 
 def chunk_kernel(cupy, row_units: int, block_units: int, spread: bool, reads: int = 0,

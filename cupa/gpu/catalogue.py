@@ -236,7 +236,7 @@ class DecodeMmaVariant(_TwoPhase):
         Rows are staged at staged_head_size. The kernel traps if given less."""
         chunk = 16 * (self.threads // 32) * self.warp_steps
         kv_bytes = chunk * staged_head_size(self.head_size, self.cache) * (1 if self.cache else 2)
-        stages = self.ring_stages or (2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4)
+        stages = self.ring_stages or kv_ring_stages(kv_bytes)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
         query = 16 * self.head_size * 2 if self.shared_query else 0
@@ -292,6 +292,12 @@ MMA16_SHARED_QUERY_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d > 128
 # multiprocessor holds 4 stages instead of 3: 1-3% faster on the H200 (docs/perf-log.md v41).
 # Head 80's 4 stages (a 32-byte tail) were level to 3% slower; head 112's would not fit twice.
 OWN_WIDTH_HEAD_SIZES = (96,)
+
+
+def kv_ring_stages(kv_bytes: int) -> int:
+    """KvRing's stages (ring.cuh, STAGES) where no form sets them, by the bytes of a chunk of K:
+    2 from 32 KB, 3 from 16 KB, else 4."""
+    return 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
 
 
 def staged_head_size(head_size: int, cache=None) -> int:
