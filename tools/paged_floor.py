@@ -18,7 +18,7 @@ learn before its first K/V load:
   the shuffle's cost (DRAM locality) shows apart from the lookups'. cupa runs that way too.
 - cupa's copies: the copy pattern of cupa's KvRing (chunk_floor) in the shuffled blocks: 64-token
   chunks in a ring of KvRing's stages, each thread's 16-byte unit of rows a pass apart, rows at
-  their own width (KvRing stages heads 80 and 112 at 128; this row does not), one wait and one
+  their own width (as KvRing stages heads 80, 96 and 112), one wait and one
   barrier a chunk; with rows that leave threads without a copy slot, also "all warps", the slots
   spread over every warp (v42's pattern). What cupa adds above this row is its products'.
 - cupa's copies + R reads + C cycles (--stand-in R,C, repeatable): the same with a stand-in for

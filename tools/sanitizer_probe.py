@@ -72,8 +72,8 @@ def main():
         os.environ["CUPA_MERGE"] = merge
         dispatch.reload_switches()
         for dtype in ("float16", "bfloat16"):
-            # 80 staged at 128, 96 at its own width, 192 at 256 (catalogue.staged_head_size).
-            for head_size in (64, 80, 96, 128, 192, 256):
+            # 80, 96 and 112 at their own width, 192 at 256 (catalogue.staged_head_size).
+            for head_size in (64, 80, 96, 112, 128, 192, 256):
                 run(f"tensor cores {dtype} d{head_size} group 8 ({merge})",
                     *problem(rng, dtype, head_size, 8), partition_size=256)
             run(f"tensor cores 16-row {dtype} group 32 ({merge})",

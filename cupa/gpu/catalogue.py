@@ -229,9 +229,9 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
-        a chunk of K and V, 64 tokens or 128 for fp8 at head 128; 2 stages when K alone is
-        >= 32 KB, 3 when >= 16 KB, else 4, or ring_stages; then twice as many slots of a chunk's
-        int32 block ids), which the warps' merge buffer reuses; then the 16-row kernel's tile
+        a chunk of K and V, 64 tokens or 128 for fp8 at head 128; kv_ring_stages of them,
+        or ring_stages; then twice as many slots of a chunk's int32 block ids), which the
+        warps' merge buffer reuses; then the 16-row kernel's tile
         of 16-bit query rows where it reads them from there (MMA16_SHARED_QUERY_HEAD_SIZES).
         Rows are staged at staged_head_size. The kernel traps if given less."""
         chunk = 16 * (self.threads // 32) * self.warp_steps
@@ -287,24 +287,23 @@ MMA_HEAD_TILES = (8, 16)
 MMA16_SHARED_QUERY_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d > 128)
 
 
-# 16-bit K/V rows staged at their own width: at head 96 a 128-byte head and a 64-byte tail, each
-# swizzled on its own (KvRing::stored_unit in ring.cuh), so the ring of 2 workgroups a
-# multiprocessor holds 4 stages instead of 3: 1-3% faster on the H200 (docs/perf-log.md v41).
-# Head 80's 4 stages (a 32-byte tail) were level to 3% slower; head 112's would not fit twice.
-OWN_WIDTH_HEAD_SIZES = (96,)
+# 16-bit K/V rows staged at their own width (160-224 bytes): a stage holds the global rows' bytes
+# in their order, each 128-byte line under one swizzle (KvRing::swizzle in ring.cuh), and the
+# ring holds 4 stages at heads 80 and 96, 3 at 112. On the H200 up to 12% faster than rows staged
+# at 128 (docs/perf-log.md v41, v43). fp8 rows there are staged at 128 (v43 step 2).
+OWN_WIDTH_HEAD_SIZES = (80, 96, 112)
 
 
 def kv_ring_stages(kv_bytes: int) -> int:
     """KvRing's stages (ring.cuh, STAGES) where no form sets them, by the bytes of a chunk of K:
-    2 from 32 KB, 3 from 16 KB, else 4."""
-    return 2 if kv_bytes >= 32768 else 3 if kv_bytes >= 16384 else 4
+    2 from 32 KB, 3 above 12 KB (4 would not fit two workgroups a multiprocessor), else 4."""
+    return 2 if kv_bytes >= 32768 else 3 if kv_bytes > 12288 else 4
 
 
 def staged_head_size(head_size: int, cache=None) -> int:
     """The head size a tensor-core kernel stages a K/V row at in shared memory (KvRing's
-    staged_head_size in decode_mma.cu): its own over a 16-bit cache (cache None) at
-    OWN_WIDTH_HEAD_SIZES, else the next of 64, 128 and 256, so that its swizzle permutes whole
-    128-byte groups."""
+    staged_head_size in ring.cuh): its own over a 16-bit cache (cache None) at
+    OWN_WIDTH_HEAD_SIZES, else the next of 64, 128 and 256."""
     if cache is None and head_size in OWN_WIDTH_HEAD_SIZES:
         return head_size
     return next(size for size in MMA_HEAD_SIZES if head_size <= size)

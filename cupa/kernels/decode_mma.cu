@@ -14,9 +14,10 @@
 // Memory: the workgroup streams its partition's K/V rows through a ring of shared-memory stages
 // filled by cp.async (KvRing, KvStream), several chunks ahead of the warps; an XOR swizzle of
 // the 16-byte units keeps the 8 rows an ldmatrix reads at one column in 8 different bank
-// groups. The warps take their K and V fragments from the staged rows with ldmatrix (K) and
-// ldmatrix.trans (V), 16-bit and fp8 caches alike (Frag: fp8 codes are read as 16-bit pairs and
-// widened to float16 at use); P comes straight from the QK accumulators (the FA2 register reuse).
+// groups, and each 128-byte line of the rows in one line of the stage (one L2 request). The
+// warps take their K and V fragments from the staged rows with ldmatrix (K) and ldmatrix.trans
+// (V), 16-bit and fp8 caches alike (Frag: fp8 codes are read as 16-bit pairs and widened to
+// float16 at use); P comes straight from the QK accumulators (the FA2 register reuse).
 // Each warp computes 16-token steps of the staged chunks with its own running max and sum; the
 // warps merge through shared memory at the end.
 // The sections, each including the one before: ops, merge, ring, fragments, mma16, mma8.

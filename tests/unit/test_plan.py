@@ -77,8 +77,9 @@ def test_more_rows_than_eight_fall_back_to_row_chunks_where_the_16_row_kernel_do
 ])
 def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, arch, fmt,
                                                expected):
-    """Heads 80, 96, 112 and 192 on the tensor-core kernels by default (rows staged at 128 or
-    256), the 16-row one up to 112; CUPA_STAGED_HEADS=never leaves them to the portable kernel."""
+    """Heads 80, 96, 112 and 192 on the tensor-core kernels by default (rows staged at their own
+    width or at 256), the 16-row one up to 112; CUPA_STAGED_HEADS=never leaves them to the
+    portable kernel."""
     assert dispatch.decode_variant(dtype, head_size, rows, arch, fmt).partition_name == expected
     switch("CUPA_STAGED_HEADS", "never")
     assert isinstance(dispatch.decode_variant(dtype, head_size, rows, arch, fmt),
@@ -86,19 +87,21 @@ def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, a
 
 
 @pytest.mark.parametrize("head_size, cache, staged, stages", [
-    (80, None, 128, 3),     # staged at 128, 3 stages of 32 KB
+    (80, None, 80, 4),      # own width: 160-byte rows, 4 stages of 20 KB
     (96, None, 96, 4),      # own width: 192-byte rows, 4 stages of 24 KB
-    (112, None, 128, 3),    # a tail of 6 units: staged at 128, 3 stages of 32 KB
+    (112, None, 112, 3),    # own width: 224-byte rows, 3 stages of 28 KB (4 would not fit twice)
     (96, "fp8", 128, 3),    # fp8 rows staged at 128 (two steps a warp), 3 stages of 32 KB
     (192, None, 256, 2),    # staged at 256: sm_80's ring of 2 stages of 64 KB
 ])
 def test_rows_staged_at_their_own_width_take_a_deeper_ring(head_size, cache, staged, stages):
-    """16-bit rows at head 96 are staged at their own width, so the ring of two workgroups a
-    multiprocessor holds a fourth stage; the others keep a staged width of 128 or 256 (KvRing in
-    ring.cuh; the offline ring-layout check compares the kernel's bytes)."""
+    """16-bit rows at heads 80, 96 and 112 are staged at their own width, so the ring of two
+    workgroups a multiprocessor holds a fourth stage at 80 and 96; the others keep a staged width
+    of 128 or 256 (KvRing in ring.cuh; the offline ring-layout check compares the kernel's
+    bytes)."""
     assert catalogue.staged_head_size(head_size, cache) == staged
     for heads in (8, 16):
         v = catalogue.DecodeMmaVariant("float16", head_size, heads, cache)
+        assert v.warp_steps == (2 if cache else 1)
         chunk = 64 * v.warp_steps
         row_bytes = staged * (1 if cache else 2)
         ring = stages * 2 * chunk * row_bytes + 2 * stages * chunk * 4

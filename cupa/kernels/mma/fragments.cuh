@@ -110,9 +110,9 @@ struct KvStep {
     u32 k[BLOCKS][4], v[BLOCKS][4];
 
     // A lane's byte offsets from a step's first row for column blocks j = 0..LANE_BLOCKS - 1 (K,
-    // then V). In a row of whole 128-byte groups block j + 4 is 128 bytes past block j (the
-    // swizzle permutes units within 128 bytes); an own-width row's tail has offsets of its own.
-    static constexpr int LANE_BLOCKS = R::OWN_WIDTH ? BLOCKS : BLOCKS < 4 ? BLOCKS : 4;
+    // then V). Block j + 4 is 128 bytes past block j: the swizzle is an XOR of fewer than 8
+    // units, the same for all units of a row (KvRing::swizzle).
+    static constexpr int LANE_BLOCKS = BLOCKS < 4 ? BLOCKS : 4;
     struct Lanes { u32 k[LANE_BLOCKS], v[LANE_BLOCKS]; };
     CUPA_FN static void lane_offsets(int lane, bool rows_inner, u32* out) {
         const int matrix = lane >> 3;

@@ -37,16 +37,16 @@ CUPA_FN u32 dynamic_shared_bytes() {
 }
 
 
-// The head size a K/V row of ITEM-byte elements is staged at. 16-bit rows at head 96 at their
-// own width: a 128-byte head and a 64-byte tail, each swizzled on its own (KvRing::stored_unit),
-// so the ring of two workgroups a multiprocessor holds 4 stages instead of 3 (docs/perf-log.md
-// v41: 1-3% faster; head 80's 4 stages were not). Other head sizes: the next of 64, 128 and 256;
-// a head size between them (80, 112, 192, and fp8 at 96) is copied into the first D * ITEM bytes
-// of a row of that size, so the swizzle permutes whole groups of 8 units. The units past D are
-// never copied, and no operand takes them: the warps compute D / 16 k16 steps and D / 16 output
-// m-tiles. catalogue.staged_head_size mirrors it.
+// The head size a K/V row of ITEM-byte elements is staged at in shared memory. 16-bit rows
+// between heads 64 and 128 (80, 96, 112) at their own width, 160-224 bytes, so that a stage is a
+// copy of the global rows' bytes in the same order (see KvRing::swizzle) and the ring holds as
+// many stages as their bytes allow (4 at heads 80 and 96, 3 at 112). Other head sizes: the next
+// of 64, 128 and 256; a head size between them (192, and fp8 at 80, 96 and 112) is copied into
+// the first D * ITEM bytes of a row of that size. The units past D are never copied, and no
+// operand takes them: the warps compute D / 16 k16 steps and D / 16 output m-tiles.
+// catalogue.staged_head_size mirrors it (docs/perf-log.md v41, v43).
 __host__ __device__ constexpr int staged_head_size(int d, int item) {
-    return item == 2 && d == 96 ? d : d <= 64 ? 64 : d <= 128 ? 128 : 256;
+    return item == 2 && d > 64 && d < 128 ? d : d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
 
 // Layout of one stage: K rows, then V rows (CHUNK rows of ROW_BYTES each). After the stages:
@@ -60,8 +60,8 @@ struct KvRing {
     // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
     // staged at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and
     // softmax reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit
-    // step's work for half the bytes), else one. (At head 64 the larger ring cost the fp8
-    // kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
+    // step's work for half the bytes), else one. (At head 64 the larger ring cost the
+    // fp8 kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
     // docs/perf-log.md v12.)
     static constexpr int STAGED_D = staged_head_size(D, (int)sizeof(C));
     static constexpr int WARP_STEPS =
@@ -74,22 +74,23 @@ struct KvRing {
     static constexpr int KV_BYTES = CHUNK * ROW_BYTES;
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;
     // STAGES - 1 chunks are in flight while the warps compute: 2-3, and 1 with the 64 KB stages
-    // of a 16-bit cache staged at head 256, where 2 stages are what fits sm_80's 163 KB. A wide
-    // or deep form's module sets its own (CUPA_RING_STAGES: the wide form's 64 KB stages of 8
-    // warps' chunks would get the rule's 2; the deep form is those 64 KB stages, 3 of them, in
-    // sm_90's 227 KB).
+    // of a 16-bit cache staged at head 256, where 2 stages are what fits sm_80's 163 KB. (Four
+    // stages of chunks above 12 KB, e.g. head 112 at its own width, would not fit two
+    // workgroups in a multiprocessor's 228 KB; head 96's 12 KB do.) A wide or deep form's
+    // module sets its own (CUPA_RING_STAGES: the wide form's 64 KB stages of 8 warps' chunks
+    // would get the rule's 2; the deep form is those 64 KB stages, 3 of them, in sm_90's 227 KB).
     static constexpr int STAGES = DENSE_STAGES > 0 ? DENSE_STAGES
                                   : CUPA_RING_STAGES > 0 ? CUPA_RING_STAGES
-                                  : KV_BYTES >= 32768 ? 2 : KV_BYTES >= 16384 ? 3 : 4;
+                                  : KV_BYTES >= 32768 ? 2 : KV_BYTES > 12288 ? 3 : 4;
     static constexpr int IDS_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int ID_SLOTS = 2 * STAGES;  // see KvStream: chunks 0 .. 2 STAGES - 3 at once
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     // A copy pass is one cp.async a thread: whole rows, a warp's instruction covering 512
     // contiguous bytes (2-4 rows). Rows ROWS_PER_PASS apart share a swizzle (see pass_offset).
-    // An own-width row (12 units: a 128-byte head and a 64-byte tail, see stored_unit) takes 8
-    // rows a pass, and the threads past COPY_THREADS copy nothing.
+    // An own-width row (10-14 units, see staged_head_size) takes 8 rows a pass, and the threads
+    // past COPY_THREADS copy nothing.
     static constexpr bool OWN_WIDTH = UNITS % 8 != 0 && UNITS > 8;
-    static_assert(!OWN_WIDTH || UNITS == 12, "an own-width row: a 128-byte head and 64-byte tail");
+    static_assert(!OWN_WIDTH || (UNITS < 16 && UNITS % 2 == 0), "an own-width 16-bit row");
     static constexpr int ROWS_PER_PASS = OWN_WIDTH ? 8 : CUPA_THREADS / UNITS;
     static constexpr int COPY_THREADS = ROWS_PER_PASS * UNITS;
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
@@ -104,19 +105,25 @@ struct KvRing {
     static constexpr int PHASES = ROWS_PER_PASS >= MAX_BLOCK_SIZE ? 1 : MAX_BLOCK_SIZE / ROWS_PER_PASS;
     static_assert(CHUNK % MAX_BLOCK_SIZE == 0, "chunks start at the same row of a block");
 
-    // Unit u of row r is stored at unit stored_unit(u, r), so the 8 rows an ldmatrix reads at one
-    // column (r .. r + 7, r a multiple of 8) sit in 8 different bank groups: u ^ swizzle(r), and
-    // 64-byte rows (fp8 at head 64) pair up in a 128-byte line. An own-width row (12 units)
-    // permutes its 4-unit tail within itself by (r >> 1) & 3: rows r and r + 2 start on the same
-    // bank group, so they take different units of the tail; in the head, u ^ (r & 7) keeps the 8
-    // rows apart at 12 units too (every column checked by enumeration, docs/perf-log.md v41).
-    // (A 16-byte row pad does the same and was measured 7% slower at 1 GB: it misaligns the
-    // 128-byte cp.async writes.)
-    CUPA_FN static int swizzle(int r) { return UNITS >= 8 ? (r & 7) : ((r >> 1) & 3); }
-    CUPA_FN static int stored_unit(int u, int r) {
-        if (OWN_WIDTH && u >= 8) return 8 + ((u - 8) ^ ((r >> 1) & 3));
-        return u ^ swizzle(r);
-    }
+    // Unit u of row r is stored at unit u ^ swizzle(r), which keeps two things:
+    // - the 8 rows an ldmatrix reads at one column (r .. r + 7, r a multiple of 8) sit in 8
+    //   different bank groups. Row r starts at unit UNITS * r, i.e. on LINE_ROWS different bank
+    //   groups a multiple of LINE_UNITS apart (the largest power of two, up to 8, dividing UNITS);
+    //   the swizzle, constant over LINE_ROWS rows, adds a different low part to each such run;
+    // - a 128-byte line of the global rows lands in one 128-byte line of the stage under one XOR
+    //   of its units: the stage holds the rows' bytes in their global order, a line's units
+    //   belong to rows of one run, and XOR by less than LINE_UNITS stays inside a row. Otherwise
+    //   the L2 gets two requests for that line: 1.67 a line at head 96 with v41's own-width
+    //   swizzle (the head by r & 7, the tail by (r >> 1) & 3), where phase 1 ran up to 13%
+    //   longer (docs/perf-log.md v43).
+    // Rows of whole 128-byte groups: r & 7; 64-byte rows (fp8 at head 64): (r >> 1) & 3; own
+    // width: (r >> 1) & 3 at head 96, (r >> 2) & 1 at heads 80 and 112. (A 16-byte row pad keeps
+    // the banks apart too, and was measured 7% slower at 1 GB: it misaligns the 128-byte writes.)
+    static constexpr int LINE_UNITS =
+        UNITS % 8 == 0 ? 8 : UNITS % 4 == 0 ? 4 : UNITS % 2 == 0 ? 2 : 1;
+    static constexpr int LINE_ROWS = 8 / LINE_UNITS;
+    CUPA_FN static int swizzle(int r) { return (r / LINE_ROWS) & (LINE_UNITS - 1); }
+    CUPA_FN static int stored_unit(int u, int r) { return u ^ swizzle(r); }
 
     // Where a thread's copy of pass p lands, from its pass-0 offset `dst` (row r0 < ROWS_PER_PASS).
     // Passes of 8 or more rows keep the row's swizzle; with 4-row passes (512-byte rows) the odd
