@@ -78,7 +78,7 @@ def test_more_rows_than_eight_fall_back_to_row_chunks_where_the_16_row_kernel_do
 def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, arch, fmt,
                                                expected):
     """Heads 80, 96, 112 and 192 on the tensor-core kernels by default (rows staged at their own
-    width or at 256), the 16-row one up to 112; CUPA_STAGED_HEADS=never leaves them to the
+    width, 128 or 256), the 16-row one up to 112; CUPA_STAGED_HEADS=never leaves them to the
     portable kernel."""
     assert dispatch.decode_variant(dtype, head_size, rows, arch, fmt).partition_name == expected
     switch("CUPA_STAGED_HEADS", "never")

@@ -60,8 +60,8 @@ struct KvRing {
     // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
     // staged at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and
     // softmax reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit
-    // step's work for half the bytes), else one. (At head 64 the larger ring cost the
-    // fp8 kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
+    // step's work for half the bytes), else one. (At head 64 the larger ring cost the fp8
+    // kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
     // docs/perf-log.md v12.)
     static constexpr int STAGED_D = staged_head_size(D, (int)sizeof(C));
     static constexpr int WARP_STEPS =
@@ -107,9 +107,10 @@ struct KvRing {
 
     // Unit u of row r is stored at unit u ^ swizzle(r), which keeps two things:
     // - the 8 rows an ldmatrix reads at one column (r .. r + 7, r a multiple of 8) sit in 8
-    //   different bank groups. Row r starts at unit UNITS * r, i.e. on LINE_ROWS different bank
-    //   groups a multiple of LINE_UNITS apart (the largest power of two, up to 8, dividing UNITS);
-    //   the swizzle, constant over LINE_ROWS rows, adds a different low part to each such run;
+    //   different bank groups. Row r starts at unit UNITS * r, so LINE_ROWS consecutive rows
+    //   start on LINE_ROWS different bank groups, multiples of LINE_UNITS (the largest power of
+    //   two, up to 8, dividing UNITS); the swizzle, constant over such a run, gives each run a
+    //   different low part;
     // - a 128-byte line of the global rows lands in one 128-byte line of the stage under one XOR
     //   of its units: the stage holds the rows' bytes in their global order, a line's units
     //   belong to rows of one run, and XOR by less than LINE_UNITS stays inside a row. Otherwise
