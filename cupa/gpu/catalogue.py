@@ -290,8 +290,9 @@ MMA16_SHARED_QUERY_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d > 128
 # 16-bit K/V rows staged at their own width (160-224 bytes): a stage holds the global rows' bytes
 # in their order, each 128-byte line under one swizzle (KvRing::swizzle in ring.cuh), and the
 # ring holds 4 stages at heads 80 and 96, 3 at 112. On the H200 up to 12% faster than rows staged
-# at 128 (docs/perf-log.md v41, v43). fp8 rows there are staged at 128 (v43 step 2).
-OWN_WIDTH_HEAD_SIZES = (80, 96, 112)
+# at 128 (docs/perf-log.md v41, v43). fp8 rows there are staged at 128 (v43 step 2). The same
+# rule as the kernel's: the head sizes between 64 and 128.
+OWN_WIDTH_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if 64 < d < 128)
 
 
 def kv_ring_stages(kv_bytes: int) -> int:
