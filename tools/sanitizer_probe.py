@@ -78,9 +78,12 @@ def main():
                     *problem(rng, dtype, head_size, 8), partition_size=256)
             run(f"tensor cores 16-row {dtype} group 32 ({merge})",
                 *problem(rng, dtype, 128, 32), partition_size=256)
-            for head_size in (112, 128):  # 112: an fp8 row ends mid column block
+            # fp8 rows at 80, 96 and 112 at their own width; 80 and 112 end mid column block.
+            for head_size in (80, 96, 112, 128):
                 run_fp8(f"tensor cores fp8 {dtype} d{head_size} ({merge})",
                         *problem(rng, dtype, head_size, 8))
+            run_fp8(f"tensor cores 16-row fp8 {dtype} d112 group 32 ({merge})",
+                    *problem(rng, dtype, 112, 32))
     for chained in ("1", "0"):
         os.environ.update(CUPA_MERGE="reduce", CUPA_CHAINED_REDUCE=chained)
         dispatch.reload_switches()

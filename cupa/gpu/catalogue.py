@@ -204,8 +204,8 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def warp_steps(self) -> int:
         """16-token steps each warp computes side by side per chunk (KvRing::WARP_STEPS)."""
-        staged = staged_head_size(self.head_size, self.cache)
-        return 2 if self.cache and staged == 128 and not self.dense else 1
+        staged = staged_head_size(self.head_size)
+        return 2 if self.cache and 64 < staged <= 128 and not self.dense else 1
 
     @property
     def threads(self) -> int:
@@ -229,13 +229,14 @@ class DecodeMmaVariant(_TwoPhase):
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of a workgroup: the K/V ring (KvRing in decode_mma.cu: stages of
-        a chunk of K and V, 64 tokens or 128 for fp8 at head 128; kv_ring_stages of them,
-        or ring_stages; then twice as many slots of a chunk's int32 block ids), which the
-        warps' merge buffer reuses; then the 16-row kernel's tile
-        of 16-bit query rows where it reads them from there (MMA16_SHARED_QUERY_HEAD_SIZES).
-        Rows are staged at staged_head_size. The kernel traps if given less."""
+        a chunk of K and V, 16 tokens for each warp and warp step (64 tokens, 128 for fp8 at
+        heads 80-128, twice that in the wide form); kv_ring_stages of them, or ring_stages;
+        then twice as many slots of a chunk's int32 block ids), which the warps' merge buffer
+        reuses; then the 16-row kernel's tile of 16-bit query rows where it reads them from
+        there (MMA16_SHARED_QUERY_HEAD_SIZES). Rows are staged at staged_head_size. The kernel
+        traps if given less."""
         chunk = 16 * (self.threads // 32) * self.warp_steps
-        kv_bytes = chunk * staged_head_size(self.head_size, self.cache) * (1 if self.cache else 2)
+        kv_bytes = chunk * staged_head_size(self.head_size) * (1 if self.cache else 2)
         stages = self.ring_stages or kv_ring_stages(kv_bytes)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
         merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
@@ -287,11 +288,11 @@ MMA_HEAD_TILES = (8, 16)
 MMA16_SHARED_QUERY_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if d > 128)
 
 
-# 16-bit K/V rows staged at their own width (160-224 bytes): a stage holds the global rows' bytes
-# in their order, each 128-byte line under one swizzle (KvRing::swizzle in ring.cuh), and the
-# ring holds 4 stages at heads 80 and 96, 3 at 112. On the H200 up to 12% faster than rows staged
-# at 128 (docs/perf-log.md v41, v43). fp8 rows there are staged at 128 (v43 step 2). The same
-# rule as the kernel's: the head sizes between 64 and 128.
+# K/V rows staged at their own width (160-224 bytes 16-bit, 80-112 fp8): a stage holds the global
+# rows' bytes in their order, each 128-byte line under one swizzle (KvRing::swizzle in ring.cuh),
+# and the ring holds 4 stages at heads 80 and 96, 3 at 112. On the H200 up to 12% faster than
+# rows staged at 128 (16-bit), 4-15% (fp8) (docs/perf-log.md v41, v43). The same rule as the
+# kernel's: the head sizes between 64 and 128.
 OWN_WIDTH_HEAD_SIZES = tuple(d for d in SUPPORTED_HEAD_SIZES if 64 < d < 128)
 
 
@@ -301,11 +302,11 @@ def kv_ring_stages(kv_bytes: int) -> int:
     return 2 if kv_bytes >= 32768 else 3 if kv_bytes > 12288 else 4
 
 
-def staged_head_size(head_size: int, cache=None) -> int:
+def staged_head_size(head_size: int) -> int:
     """The head size a tensor-core kernel stages a K/V row at in shared memory (KvRing's
-    staged_head_size in ring.cuh): its own over a 16-bit cache (cache None) at
-    OWN_WIDTH_HEAD_SIZES, else the next of 64, 128 and 256."""
-    if cache is None and head_size in OWN_WIDTH_HEAD_SIZES:
+    staged_head_size in ring.cuh): its own at OWN_WIDTH_HEAD_SIZES, else the next of 64, 128
+    and 256."""
+    if head_size in OWN_WIDTH_HEAD_SIZES:
         return head_size
     return next(size for size in MMA_HEAD_SIZES if head_size <= size)
 

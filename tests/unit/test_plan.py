@@ -90,15 +90,18 @@ def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, a
     (80, None, 80, 4),      # own width: 160-byte rows, 4 stages of 20 KB
     (96, None, 96, 4),      # own width: 192-byte rows, 4 stages of 24 KB
     (112, None, 112, 3),    # own width: 224-byte rows, 3 stages of 28 KB (4 would not fit twice)
-    (96, "fp8", 128, 3),    # fp8 rows staged at 128 (two steps a warp), 3 stages of 32 KB
+    (80, "fp8", 80, 4),     # fp8 at own width (two steps a warp): 80-byte rows, 4 of 20 KB
+    (96, "fp8", 96, 4),     # 96-byte rows, 4 stages of 24 KB
+    (112, "fp8", 112, 3),   # 112-byte rows, 3 stages of 28 KB
+    (128, "fp8", 128, 3),   # fp8 at head 128: 3 stages of 32 KB
     (192, None, 256, 2),    # staged at 256: sm_80's ring of 2 stages of 64 KB
 ])
 def test_rows_staged_at_their_own_width_take_a_deeper_ring(head_size, cache, staged, stages):
-    """16-bit rows at heads 80, 96 and 112 are staged at their own width, so the ring of two
-    workgroups a multiprocessor holds a fourth stage at 80 and 96; the others keep a staged width
-    of 128 or 256 (KvRing in ring.cuh; the offline ring-layout check compares the kernel's
-    bytes)."""
-    assert catalogue.staged_head_size(head_size, cache) == staged
+    """Rows at heads 80, 96 and 112 (16-bit and fp8) are staged at their own width, so the ring
+    of two workgroups a multiprocessor holds a fourth stage at 80 and 96; the others keep a
+    staged width of 128 or 256 (KvRing in ring.cuh; the offline ring-layout check compares the
+    kernel's bytes)."""
+    assert catalogue.staged_head_size(head_size) == staged
     for heads in (8, 16):
         v = catalogue.DecodeMmaVariant("float16", head_size, heads, cache)
         assert v.warp_steps == (2 if cache else 1)
@@ -156,7 +159,7 @@ def test_tensor_core_kernels_fit_their_shared_memory(arch):
         assert 0 < v.shared_bytes <= per_block, v
         if arch == "sm_90":  # + 1 KB reserved per workgroup
             assert v.workgroups_per_sm * (v.shared_bytes + 1024) <= per_sm, v
-            staged = catalogue.staged_head_size(v.head_size, v.cache)  # 192 is staged at 256
+            staged = catalogue.staged_head_size(v.head_size)  # 192 is staged at 256
             one = v.wide or (staged == 256 and not v.cache)
             assert v.workgroups_per_sm == (1 if one else 2), v
         head_rows = 8 if v.heads == 8 else 16

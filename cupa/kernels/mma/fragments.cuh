@@ -104,14 +104,17 @@ template <typename C, int D, bool K_ROWS_INNER, int DENSE_STAGES = 0>
 struct KvStep {
     typedef KvRing<C, D, DENSE_STAGES> R;
     typedef Frag<C> F;
-    // 32-byte column blocks that hold the row (a half block of fp8 at head 80 or 112 loads a
-    // unit past the row, which no operand takes).
+    // 32-byte column blocks that hold the row: fp8 rows at heads 80 and 112 end in a half block
+    // (see lane_offsets).
     static constexpr int BLOCKS = (D * (int)sizeof(C) + 31) / 32;
     u32 k[BLOCKS][4], v[BLOCKS][4];
 
     // A lane's byte offsets from a step's first row for column blocks j = 0..LANE_BLOCKS - 1 (K,
     // then V). Block j + 4 is 128 bytes past block j: the swizzle is an XOR of fewer than 8
-    // units, the same for all units of a row (KvRing::swizzle).
+    // units, the same for all units of a row (KvRing::swizzle). The unit past a half block's end
+    // is read again from the block's first: a row staged at its own width has none there, and
+    // the bytes that follow belong to the next row or, past a stage's last, to a stage whose
+    // copies may be landing (no operand takes those words either way).
     static constexpr int LANE_BLOCKS = BLOCKS < 4 ? BLOCKS : 4;
     struct Lanes { u32 k[LANE_BLOCKS], v[LANE_BLOCKS]; };
     CUPA_FN static void lane_offsets(int lane, bool rows_inner, u32* out) {
@@ -119,8 +122,10 @@ struct KvStep {
         const int row = (lane & 7) + 8 * (rows_inner ? matrix & 1 : matrix >> 1);
         const int unit = rows_inner ? matrix >> 1 : matrix & 1;
 #pragma unroll
-        for (int j = 0; j < LANE_BLOCKS; ++j)
-            out[j] = (u32)pinned(row * R::ROW_BYTES + 16 * R::stored_unit(2 * j + unit, row));
+        for (int j = 0; j < LANE_BLOCKS; ++j) {
+            const int u = 2 * j + unit < R::COPY_UNITS ? 2 * j + unit : 2 * j;
+            out[j] = (u32)pinned(row * R::ROW_BYTES + 16 * R::stored_unit(u, row));
+        }
     }
     CUPA_FN static u32 block_offset(const u32* offsets, int j) {
         return j < LANE_BLOCKS ? offsets[j] : offsets[j & 3] + 128 * (j >> 2);

@@ -37,16 +37,15 @@ CUPA_FN u32 dynamic_shared_bytes() {
 }
 
 
-// The head size a K/V row of ITEM-byte elements is staged at in shared memory. 16-bit rows
-// between heads 64 and 128 (80, 96, 112) at their own width, 160-224 bytes, so that a stage is a
-// copy of the global rows' bytes in the same order (see KvRing::swizzle) and the ring holds as
-// many stages as their bytes allow (4 at heads 80 and 96, 3 at 112). Other head sizes: the next
-// of 64, 128 and 256; a head size between them (192, and fp8 at 80, 96 and 112) is copied into
-// the first D * ITEM bytes of a row of that size. The units past D are never copied, and no
-// operand takes them: the warps compute D / 16 k16 steps and D / 16 output m-tiles.
-// catalogue.staged_head_size mirrors it (docs/perf-log.md v41, v43).
-__host__ __device__ constexpr int staged_head_size(int d, int item) {
-    return item == 2 && d > 64 && d < 128 ? d : d <= 64 ? 64 : d <= 128 ? 128 : 256;
+// The head size a K/V row is staged at in shared memory. Rows between heads 64 and 128 (80, 96,
+// 112) at their own width, 160-224 bytes (16-bit) or 80-112 (fp8), so that a stage is a copy of
+// the global rows' bytes in the same order (see KvRing::swizzle) and the ring holds as many
+// stages as their bytes allow. Other head sizes: the next of 64, 128 and 256; a head size
+// between them (192) is copied into the first D elements of a row of that size. The units
+// past D are never copied, and no operand takes them: the warps compute D / 16 k16 steps and
+// D / 16 output m-tiles. catalogue.staged_head_size mirrors it (docs/perf-log.md v41, v43).
+__host__ __device__ constexpr int staged_head_size(int d) {
+    return d > 64 && d < 128 ? d : d <= 64 ? 64 : d <= 128 ? 128 : 256;
 }
 
 // Layout of one stage: K rows, then V rows (CHUNK rows of ROW_BYTES each). After the stages:
@@ -58,14 +57,14 @@ __host__ __device__ constexpr int staged_head_size(int d, int item) {
 template <typename C, int D, int DENSE_STAGES = 0>
 struct KvRing {
     // 16-token steps a warp takes of every chunk, computed side by side: two for 1-byte caches
-    // staged at head 128 (a stage then holds the bytes of a 16-bit one, and each barrier and
+    // staged above head 64 (a stage then holds the bytes of a 16-bit one, and each barrier and
     // softmax reduction serves twice the tokens, which the fp8 step needs: it does the 16-bit
     // step's work for half the bytes), else one. (At head 64 the larger ring cost the fp8
     // kernel its fifth workgroup per multiprocessor: slower where the grid needed them,
     // docs/perf-log.md v12.)
-    static constexpr int STAGED_D = staged_head_size(D, (int)sizeof(C));
+    static constexpr int STAGED_D = staged_head_size(D);
     static constexpr int WARP_STEPS =
-        DENSE_STAGES == 0 && sizeof(C) == 1 && STAGED_D == 128 ? 2 : 1;
+        DENSE_STAGES == 0 && sizeof(C) == 1 && STAGED_D > 64 && STAGED_D <= 128 ? 2 : 1;
     static constexpr int CHUNK = 16 * (CUPA_THREADS / 32) * WARP_STEPS;
     static constexpr int ROW_BYTES = STAGED_D * (int)sizeof(C);
     static constexpr int UNITS = ROW_BYTES / 16;            // 16-byte units per staged K/V row
@@ -87,11 +86,11 @@ struct KvRing {
     static constexpr int BYTES = IDS_OFFSET + ID_SLOTS * CHUNK * 4;
     // A copy pass is one cp.async a thread: whole rows, a warp's instruction covering 512
     // contiguous bytes (2-4 rows). Rows ROWS_PER_PASS apart share a swizzle (see pass_offset).
-    // An own-width row (10-14 units, see staged_head_size) takes 8 rows a pass, and the threads
-    // past COPY_THREADS copy nothing.
-    static constexpr bool OWN_WIDTH = UNITS % 8 != 0 && UNITS > 8;
-    static_assert(!OWN_WIDTH || (UNITS < 16 && UNITS % 2 == 0), "an own-width 16-bit row");
-    static constexpr int ROWS_PER_PASS = OWN_WIDTH ? 8 : CUPA_THREADS / UNITS;
+    // An own-width row (see staged_head_size) takes 8 rows a pass at 10-14 units (16-bit), 16 at
+    // 5-7 (fp8), and the threads past COPY_THREADS copy nothing.
+    static constexpr bool OWN_WIDTH = UNITS % 8 != 0 && UNITS > 4;
+    static_assert(!OWN_WIDTH || UNITS < 16, "an own-width row: 5-7 or 10-14 units");
+    static constexpr int ROWS_PER_PASS = OWN_WIDTH ? (UNITS > 8 ? 8 : 16) : CUPA_THREADS / UNITS;
     static constexpr int COPY_THREADS = ROWS_PER_PASS * UNITS;
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
@@ -118,8 +117,10 @@ struct KvRing {
     //   swizzle (the head by r & 7, the tail by (r >> 1) & 3), where phase 1 ran up to 13%
     //   longer (docs/perf-log.md v43).
     // Rows of whole 128-byte groups: r & 7; 64-byte rows (fp8 at head 64): (r >> 1) & 3; own
-    // width: (r >> 1) & 3 at head 96, (r >> 2) & 1 at heads 80 and 112. (A 16-byte row pad keeps
-    // the banks apart too, and was measured 7% slower at 1 GB: it misaligns the 128-byte writes.)
+    // width: (r >> 1) & 3 at head 96, (r >> 2) & 1 at heads 80 and 112 and fp8 at 96, none for
+    // fp8 at 80 and 112 (an odd number of units a row already spreads 8 rows over 8 bank
+    // groups). (A 16-byte row pad keeps the banks apart too, and was measured 7% slower at 1 GB:
+    // it misaligns the 128-byte writes.)
     static constexpr int LINE_UNITS =
         UNITS % 8 == 0 ? 8 : UNITS % 4 == 0 ? 4 : UNITS % 2 == 0 ? 2 : 1;
     static constexpr int LINE_ROWS = 8 / LINE_UNITS;
