@@ -239,7 +239,8 @@ class DecodeMmaVariant(_TwoPhase):
         kv_bytes = chunk * staged_head_size(self.head_size) * (1 if self.cache else 2)
         stages = self.ring_stages or kv_ring_stages(kv_bytes)
         ring = stages * 2 * kv_bytes + 2 * stages * chunk * 4
-        merge = (self.threads // 32) * self.heads * self.head_size * 4  # heads = rows of a tile
+        # heads = rows of a tile
+        merge = (self.threads // 32) * self.heads * merge_row_floats(self.heads, self.head_size) * 4
         query = 16 * self.head_size * 2 if self.shared_query else 0
         return max(ring, merge) + query
 
@@ -309,6 +310,12 @@ def staged_head_size(head_size: int) -> int:
     if head_size in OWN_WIDTH_HEAD_SIZES:
         return head_size
     return next(size for size in MMA_HEAD_SIZES if head_size <= size)
+
+
+def merge_row_floats(tile_rows: int, head_size: int) -> int:
+    """Floats between the rows of the tensor-core kernels' merge buffer (merge_row_floats in
+    fragments.cuh): the head size plus a pad that spreads a store's rows over the banks."""
+    return head_size + (4 if tile_rows == 8 else 8)
 
 
 MAX_CLUSTER = 16  # decode_mma.cu's MAX_CLUSTER; above 8 a kernel opts in to non-portable sizes

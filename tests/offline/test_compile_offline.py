@@ -178,8 +178,9 @@ def test_hip_link_fails_on_a_missing_device_function():
 def test_ring_layout_of_the_python_mirror_matches_the_kernels():
     """catalogue.DecodeMmaVariant states each tensor-core kernel's dynamic shared memory, rows
     and steps per warp (the planner and the launch use them), the catalogue the largest cluster
-    and validation the block sizes a cache may have; the kernel source states them again (KvRing,
-    mma_shared_bytes, and for the 16-row kernel Mma16Shape, whose query may follow the ring).
+    and the merge buffer's row stride, and validation the block sizes a cache may have; the
+    kernel source states them again (KvRing, mma_shared_bytes, merge_row_floats, and for the
+    16-row kernel Mma16Shape, whose query may follow the ring).
     NVRTC checks that both say the same, for every variant, each in a module of its own defines
     (catalogue.module_defines: the wide and deep forms' threads and ring stages; NVIDIA only:
     these kernels do not exist for HIP)."""
@@ -198,6 +199,10 @@ def test_ring_layout_of_the_python_mirror_matches_the_kernels():
             if v.heads == 16:
                 checks.append(f"static_assert(cupa::Mma16Shape<{cache}, {v.head_size}>::ROWS == "
                               f"{v.rows}, \"{v.partition_name}: rows\");")
+            tile_rows = 8 if v.heads == 8 else 16
+            checks.append(f"static_assert(cupa::merge_row_floats<{tile_rows}, {v.head_size}>() == "
+                          f"{catalogue.merge_row_floats(tile_rows, v.head_size)}, "
+                          f"\"{v.partition_name}: merge buffer rows\");")
             checks += [f"static_assert({kernel_bytes} == {v.shared_bytes}, "
                        f"\"{v.partition_name}: shared bytes\");",
                        f"static_assert(cupa::KvRing<{cache}, {v.head_size}, {dense}>::"

@@ -108,7 +108,7 @@ def test_rows_staged_at_their_own_width_take_a_deeper_ring(head_size, cache, sta
         chunk = 64 * v.warp_steps
         row_bytes = staged * (1 if cache else 2)
         ring = stages * 2 * chunk * row_bytes + 2 * stages * chunk * 4
-        merge = 4 * heads * head_size * 4
+        merge = 4 * heads * (head_size + (4 if heads == 8 else 8)) * 4  # padded rows
         query = 16 * head_size * 2 if v.shared_query else 0
         assert v.shared_bytes == max(ring, merge) + query, (heads, v)
         assert v.workgroups_per_sm == (1 if staged == 256 and not cache else 2)
@@ -164,7 +164,8 @@ def test_tensor_core_kernels_fit_their_shared_memory(arch):
             assert v.workgroups_per_sm == (1 if one else 2), v
         head_rows = 8 if v.heads == 8 else 16
         warps = v.threads // 32
-        assert v.shared_bytes >= warps * head_rows * v.head_size * 4  # the merge buffer fits
+        merge_row = catalogue.merge_row_floats(head_rows, v.head_size)
+        assert v.shared_bytes >= warps * head_rows * merge_row * 4  # the merge buffer fits
 
 
 def test_forcing_the_portable_kernel(switch):
@@ -1044,3 +1045,53 @@ def test_the_first_wave_is_staggered_only_in_uniform_grids_of_several_waves(
     never = make_plan(shape(**problem), H200_SMS, arch=arch, max_seq_len=L,
                       total_seq_len=lengths, residency=h200_residency)
     assert (never.stagger_slots, never.stagger_ns) == (0, 0)
+
+
+def _store_banks(lanes, row_floats, words):
+    """Bank of each lane's store: lanes maps a lane to (row, first float), words is 1 or 2."""
+    return {lane: [(row * row_floats + dim + k) % 32 for k in range(words)]
+            for lane, (row, dim) in lanes.items()}
+
+
+def _wavefronts(banks, words):
+    """Shared-memory wavefronts one store instruction takes: per group of lanes served at once
+    (32 for 4-byte stores, 16 for 8-byte ones), the most lanes that share a bank."""
+    group = 32 // words
+    most = 0
+    for start in range(0, 32, group):
+        count = {}
+        for lane in range(start, start + group):
+            for bank in banks[lane]:
+                count[bank] = count.get(bank, 0) + 1
+        most = max(most, max(count.values()))
+    return most * (32 // group)
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 192, 256])
+def test_merge_buffer_rows_spread_each_store_over_the_banks(head_size):
+    """The warps' stores of their output rows to the merge buffer (mma8.cuh, mma16.cuh; lane =
+    4 g + c) with merge_row_floats between rows: the 8-column kernel writes rows 2c and 2c + 1
+    at head dim 16 i + g (16-bit cache, 4 bytes a lane) or the pair 16 i + 2g, + 1 (fp8), the
+    16-row kernel rows g and g + 8 at the pair 8 j + 2c, + 1 (16-bit) or at 16 (j / 2) + 4c +
+    j % 2 (fp8, 4 bytes). An unpadded row (a multiple of 32 banks) took 4 (8-column) and 8
+    (16-row) wavefronts an instruction; now each takes the fewest its bytes need (one per 128
+    bytes), but the 16-row kernel's fp8 stores four (its rows would want another pad than its
+    16-bit pairs)."""
+    lanes = range(32)
+    g, c = (lambda lane: lane >> 2), (lambda lane: lane & 3)
+    row8 = catalogue.merge_row_floats(8, head_size)
+    row16 = catalogue.merge_row_floats(16, head_size)
+    for i in range(head_size // 16):
+        f16 = _store_banks({x: (2 * c(x), 16 * i + g(x)) for x in lanes}, row8, 1)
+        assert _wavefronts(f16, 1) == 1
+        fp8 = _store_banks({x: (2 * c(x), 16 * i + 2 * g(x)) for x in lanes}, row8, 2)
+        assert _wavefronts(fp8, 2) == 2
+    for j in range(head_size // 8):
+        f16 = _store_banks({x: (g(x), 8 * j + 2 * c(x)) for x in lanes}, row16, 2)
+        assert _wavefronts(f16, 2) == 2
+        fp8 = _store_banks({x: (g(x), 16 * (j // 2) + 4 * c(x) + j % 2) for x in lanes}, row16, 1)
+        assert _wavefronts(fp8, 1) == 4
+    # rows head_size floats apart, as before v45: the 16-row kernel's 16-bit stores, one float
+    # a lane, took 8 wavefronts (4 at heads 80 and 112)
+    unpadded = _store_banks({x: (g(x), 2 * c(x)) for x in lanes}, head_size, 1)
+    assert _wavefronts(unpadded, 1) == (8 if head_size % 32 == 0 else 4)

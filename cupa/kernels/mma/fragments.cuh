@@ -36,6 +36,10 @@ template <typename C> struct Frag {
     CUPA_FN static int v_unit(int tau) { return tau; }
     CUPA_FN static u32 v_operand(u32 word, int) { return word; }
     CUPA_FN static int dim(int tau, int n) { return 8 * tau + n; }
+    // Which output dims sit side by side (the warps' stores to the merge buffer pair them):
+    // dim(tau, n + 1) == dim(tau, n) + 1 for even n, or dim(2i + 1, n) == dim(2i, n) + 1.
+    static constexpr bool COLUMN_PAIRS_ADJACENT = true;
+    static constexpr bool TILE_PAIRS_ADJACENT = false;
 };
 
 // Two fp8 codes of a word w, bytes LO and HI (0-3), as a float16 pair, byte LO in the low half.
@@ -93,6 +97,8 @@ template <typename C> struct Fp8Frag {
         return (tau & 1) ? W::template pair<1, 3>(word) : W::template pair<0, 2>(word);
     }
     CUPA_FN static int dim(int tau, int n) { return 16 * (tau >> 1) + 2 * n + (tau & 1); }
+    static constexpr bool COLUMN_PAIRS_ADJACENT = false;
+    static constexpr bool TILE_PAIRS_ADJACENT = true;
 };
 template <> struct Frag<cupa_fp8> : Fp8Frag<cupa_fp8> {};
 template <> struct Frag<cupa_fp8_e4m3> : Fp8Frag<cupa_fp8_e4m3> {};
@@ -181,28 +187,41 @@ struct KvStep {
     }
 };
 
+// The warps' merge buffer (o_s, over the ring once the chunks are done): each warp's TILE_ROWS
+// rows of D unnormalised output floats, merge_row_floats apart. Rows D floats apart (D a
+// multiple of 16) put the rows one store instruction writes on one or two sets of the same
+// banks: the 8-column kernel's lanes write rows 2c and 2c + 1 (c = lane % 4), up to 4-way, the
+// 16-row kernel's rows g (lane / 4), up to 8-way. A pad of 4 floats puts rows 2c 8c banks apart,
+// one of 8 floats rows g 8g banks apart (they store float pairs: 16 lanes a wavefront), so each
+// store takes the fewest wavefronts its bytes need, but the 16-row kernel's fp8 stores (single
+// floats, 4 wavefronts, from 8). catalogue.merge_row_floats mirrors it (docs/perf-log.md v45).
+template <int TILE_ROWS, int D>
+__host__ __device__ constexpr int merge_row_floats() {
+    return D + (TILE_ROWS == 8 ? 4 : 8);
+}
+
 // Bytes of dynamic shared memory a kernel needs: the ring, reused by the warps' merge buffer.
 template <typename C, int D, int TILE_ROWS, int DENSE_STAGES = 0>
 __host__ __device__ constexpr int mma_shared_bytes() {
     return cmax(KvRing<C, D, DENSE_STAGES>::BYTES,
-                (CUPA_THREADS / 32) * TILE_ROWS * D * (int)sizeof(float));
+                (CUPA_THREADS / 32) * TILE_ROWS * merge_row_floats<TILE_ROWS, D>() *
+                    (int)sizeof(float));
 }
 
-// The query of local row r, read as mma-type pairs; past the chunk (r >= nh) it reads row 0 and
-// gives zeros. The row's index (two integer divisions) is computed once and every load is
-// unconditional: a branch and index per load cost the 16-row kernel's 32 loads 5-7 us a
-// workgroup (docs/perf-log.md v24).
+// The query of local row r, read as mma-type pairs; past the chunk (r >= nh) it reads row 0.
+// Such a row's products never reach an output: RowMask makes every logit of it -inf (whatever
+// the product), so its P is 0 and the merge stores rows below nh only. Not zeroing its words
+// leaves the loads unused until the first QK product, so the warps go on to issue the first K/V
+// copies while they are in flight (a select on each word made them wait: docs/perf-log.md v45).
+// The row's index (two integer divisions) is computed once and every load is unconditional: a
+// branch and index per load cost the 16-row kernel's 32 loads 5-7 us a workgroup (v24).
 template <typename T, typename M, int D>
 struct QueryRow {
     const T* row;
-    bool valid;
     CUPA_FN QueryRow(const T* query, const PartitionWork& w, int r)
-        : row(query + w.row_index(r < w.nh ? r : 0) * D), valid(r < w.nh) {}
+        : row(query + w.row_index(r < w.nh ? r : 0) * D) {}
     // Elements dim, dim + 1.
-    CUPA_FN u32 pair(int dim) const {
-        const u32 x = QPair<T, M>::load(row + dim);
-        return valid ? x : 0u;
-    }
+    CUPA_FN u32 pair(int dim) const { return QPair<T, M>::load(row + dim); }
 };
 
 // One row's online-softmax step: the running max m takes in the step's max mx; corr rescales

@@ -46,6 +46,31 @@ CUPA_FN void cluster_sync() {
 #endif
 }
 
+// a and b to p, p + 1 (8-byte aligned) in one store.
+CUPA_FN void store_pair(float* p, float a, float b) {
+    cupa_u32x2 v;
+    v.x = float_to_bits(a);
+    v.y = float_to_bits(b);
+    *reinterpret_cast<cupa_u32x2*>(p) = v;
+}
+
+// Four consecutive output elements, scaled by factor: one 8-byte store for 16-bit T where p is
+// 8-byte aligned (always, for an output cupa allocates), else one store each.
+template <typename T>
+CUPA_FN void store_out4(T* p, const float* x, float factor) {
+    if constexpr (sizeof(T) == 2) {
+        if ((reinterpret_cast<u64>(p) & 7u) == 0) {
+            cupa_u32x2 v;
+            v.x = Elem<T>::narrow_word(x[0] * factor, x[1] * factor);
+            v.y = Elem<T>::narrow_word(x[2] * factor, x[3] * factor);
+            *reinterpret_cast<cupa_u32x2*>(p) = v;
+            return;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) Elem<T>::store(p + e, x[e] * factor);
+}
+
 // Loads from the shared memory of the cluster's block `rank` at the address `local` has here.
 CUPA_FN u32 cluster_address(u32 local, int rank) {
     u32 remote = 0;
@@ -73,8 +98,8 @@ CUPA_FN void cluster_load4(u32 address, float* x) {
 // working block takes an equal, contiguous slice of the (row, 4 columns) units, so that each
 // pulls 1/parts of the partials over the cluster's network; each unit's loads from all
 // partitions are issued before any is used.
-template <typename T, int D, int TILE_ROWS>
-CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const float* row_l,
+template <typename T, int D, int TILE_ROWS, int ROW>
+CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][ROW], const float* row_m, const float* row_l,
                            int warps_per_tile, T* out, float* lse, const float* sinks,
                            const PartitionWork& w) {
     constexpr int GROUPS = D / 4;
@@ -112,8 +137,7 @@ CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const
         const i64 head = w.row_index(r);
         float lse_value;
         const float factor = finish_head(top, total, sink_of(sinks, head, w.num_heads), lse_value);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) Elem<T>::store(out + head * D + col + e, acc[e] * factor);
+        store_out4(out + head * D + col, acc, factor);
         if (lse != nullptr && col == 0) lse[head] = lse_value;
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
@@ -128,9 +152,11 @@ CUPA_FN void merge_cluster(float (*o_s)[TILE_ROWS][D], const float* row_m, const
 // leave), which each work out the row's warp weights, sum and output index once and then merge
 // every tpr-th group of 4 columns. The two-pass form (weights by one thread a row, a barrier,
 // then one element a thread, its index computed per element) took 6.4 us a workgroup in the
-// 16-row kernel and 1.4 us in the 8-column one; this one 1.5 and 0.9 (docs/perf-log.md v24).
-template <typename T, int D, int TILE_ROWS, int NWARPS>
-CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE_ROWS],
+// 16-row kernel and 1.4 us in the 8-column one; this one 1.5 and 0.9 (docs/perf-log.md v24),
+// and since v45 (every warp's load of a group issued before the sum, 8-byte output stores)
+// 1.2 in the 16-row kernel (group 16, 128 x 1024; 1.6 before).
+template <typename T, int D, int TILE_ROWS, int NWARPS, int ROW>
+CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][ROW], float (*m_s)[TILE_ROWS],
                                    float (*l_s)[TILE_ROWS], T* out, float* lse,
                                    float* part_acc, float* part_max, float* part_sum,
                                    const float* sinks, const PartitionWork& w,
@@ -140,10 +166,11 @@ CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE
     constexpr int GROUPS = D / 4;  // 4-column groups of a row
     __shared__ float row_m[MAX_ROWS], row_l[MAX_ROWS];  // the cluster merge's inputs
     const bool in_cluster = cluster_merge && !w.writes_output;
-    int tpr = 1;  // a power of two (first_group masks with it), at most GROUPS
-    while (2 * tpr <= GROUPS && 2 * tpr * w.nh <= CUPA_THREADS) tpr <<= 1;
+    int tpr_log = 0;  // tpr = 1 << tpr_log, at most GROUPS (shifts, not divisions)
+    while ((2 << tpr_log) <= GROUPS && (2 << tpr_log) * w.nh <= CUPA_THREADS) ++tpr_log;
+    const int tpr = 1 << tpr_log;
     const int first_group = threadIdx.x & (tpr - 1);
-    for (int r = threadIdx.x / tpr; r < w.nh; r += CUPA_THREADS / tpr) {
+    for (int r = threadIdx.x >> tpr_log; r < w.nh; r += CUPA_THREADS >> tpr_log) {
         const int tr = r % TILE_ROWS, w0 = (r / TILE_ROWS) * warps_per_tile;
         float m = neg_inf();
 #pragma unroll
@@ -175,18 +202,23 @@ CUPA_FN void merge_warps_and_store(float (*o_s)[TILE_ROWS][D], float (*m_s)[TILE
         }
         for (int group = first_group; group < GROUPS; group += tpr) {
             const int col = 4 * group;
-            float o[4] = {0.f, 0.f, 0.f, 0.f};
+            // Every warp's load issued before any is used (a warp past the tile reads zeros:
+            // its weight is 0, and its rows may lie past the buffer).
+            float x[NWARPS][4];
 #pragma unroll
             for (int k = 0; k < NWARPS; ++k) {
-                if (k >= warps_per_tile) break;
-                float x[4];
-                Elem<float>::widen(*reinterpret_cast<const cupa_u32x4*>(&o_s[w0 + k][tr][col]), x);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) o[e] += weight[k] * x[e];
+                cupa_u32x4 raw = {0u, 0u, 0u, 0u};
+                if (k < warps_per_tile)
+                    raw = *reinterpret_cast<const cupa_u32x4*>(&o_s[w0 + k][tr][col]);
+                Elem<float>::widen(raw, x[k]);
             }
-            if (w.writes_output) {
+            float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int e = 0; e < 4; ++e) Elem<T>::store(out + head * D + col + e, o[e] * factor);
+            for (int k = 0; k < NWARPS; ++k)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[e] += weight[k] * x[k][e];
+            if (w.writes_output) {
+                store_out4(out + head * D + col, o, factor);
             } else if (in_cluster) {  // read above by this thread only
                 *reinterpret_cast<cupa_u32x4*>(&o_s[w0][tr][col]) = Elem<float>::narrow(o);
             } else {

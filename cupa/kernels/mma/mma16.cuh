@@ -103,7 +103,7 @@ CUPA_FN void decode_partition_mma16(
     const int r_lo = tile * TILE_ROWS + g, r_hi = r_lo + 8;  // this lane's local rows
     const typename KvStep<C, D, false>::Lanes lanes = KvStep<C, D, false>::lanes(lane);
 
-    // Q as A fragments, in the head-dim order of K (Frag::q_dim). Rows past the chunk are zero.
+    // Q as A fragments, in the head-dim order of K (Frag::q_dim). Rows past the chunk: QueryRow.
     // Above head 128 the fragments are read from shared memory at each step instead (the
     // barrier in start_stream orders the stores before the first read).
     u32 qf[SHARED_QUERY ? 1 : KSTEPS][4];
@@ -231,7 +231,9 @@ CUPA_FN void decode_partition_mma16(
     CUPA_PHASE_STAMP(PHASE_COPIES_ENDED);
 
     // Each warp leaves its rows' max, sum and unnormalised output for the merge.
-    float (*o_s)[TILE_ROWS][D] = reinterpret_cast<float (*)[TILE_ROWS][D]>(dynamic_shared);
+    constexpr int MERGE_ROW = merge_row_floats<TILE_ROWS, D>();
+    float (*o_s)[TILE_ROWS][MERGE_ROW] =
+        reinterpret_cast<float (*)[TILE_ROWS][MERGE_ROW]>(dynamic_shared);
     l_lo += warp_xor(l_lo, 1);
     l_lo += warp_xor(l_lo, 2);
     l_hi += warp_xor(l_hi, 1);
@@ -243,10 +245,15 @@ CUPA_FN void decode_partition_mma16(
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         const int d0 = F::dim(j, 2 * c), d1 = F::dim(j, 2 * c + 1);
-        o_s[warp][g][d0] = acc[j][0];
-        o_s[warp][g][d1] = acc[j][1];
-        o_s[warp][g + 8][d0] = acc[j][2];
-        o_s[warp][g + 8][d1] = acc[j][3];
+        if constexpr (F::COLUMN_PAIRS_ADJACENT) {
+            store_pair(&o_s[warp][g][d0], acc[j][0], acc[j][1]);
+            store_pair(&o_s[warp][g + 8][d0], acc[j][2], acc[j][3]);
+        } else {
+            o_s[warp][g][d0] = acc[j][0];
+            o_s[warp][g][d1] = acc[j][1];
+            o_s[warp][g + 8][d0] = acc[j][2];
+            o_s[warp][g + 8][d1] = acc[j][3];
+        }
     }
     __syncthreads();
     CUPA_PHASE_STAMP(PHASE_ROWS_SHARED);

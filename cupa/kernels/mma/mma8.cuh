@@ -209,7 +209,8 @@ CUPA_FN void decode_partition_mma8(
     kv.end_copies();
     CUPA_PHASE_STAMP(PHASE_COPIES_ENDED);
 
-    float (*o_s)[HT][D] = reinterpret_cast<float (*)[HT][D]>(dynamic_shared);
+    constexpr int MERGE_ROW = merge_row_floats<HT, D>();
+    float (*o_s)[HT][MERGE_ROW] = reinterpret_cast<float (*)[HT][MERGE_ROW]>(dynamic_shared);
 #pragma unroll
     for (int mask = 4; mask < 32; mask <<= 1) {
         l_e += warp_xor(l_e, mask);
@@ -222,10 +223,15 @@ CUPA_FN void decode_partition_mma8(
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const int d_lo = F::dim(2 * i, g), d_hi = F::dim(2 * i + 1, g);
-        o_s[warp][2 * c][d_lo] = acc[i][0];
-        o_s[warp][2 * c + 1][d_lo] = acc[i][1];
-        o_s[warp][2 * c][d_hi] = acc[i][2];
-        o_s[warp][2 * c + 1][d_hi] = acc[i][3];
+        if constexpr (F::TILE_PAIRS_ADJACENT) {
+            store_pair(&o_s[warp][2 * c][d_lo], acc[i][0], acc[i][2]);
+            store_pair(&o_s[warp][2 * c + 1][d_lo], acc[i][1], acc[i][3]);
+        } else {
+            o_s[warp][2 * c][d_lo] = acc[i][0];
+            o_s[warp][2 * c + 1][d_lo] = acc[i][1];
+            o_s[warp][2 * c][d_hi] = acc[i][2];
+            o_s[warp][2 * c + 1][d_hi] = acc[i][3];
+        }
     }
     __syncthreads();
     CUPA_PHASE_STAMP(PHASE_ROWS_SHARED);
