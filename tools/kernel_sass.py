@@ -1,9 +1,16 @@
 """Registers, spills and the chunk loop's instruction mix of the tensor-core decode kernels, on a
 machine without a GPU: NVRTC (cupy) -> PTX -> ptxas -> cuobjdump -sass.
 
-ptxas and cuobjdump come from PATH or from the PyPI wheels (no CUDA toolkit needed):
-    python3 -m pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump
+ptxas, cuobjdump and the nvdisasm cuobjdump runs come from the PyPI wheels of NVRTC's version
+(no CUDA toolkit needed), else from PATH:
+    python3 -m pip install "nvidia-cuda-nvcc==13.5.*" nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
     python3 tools/kernel_sass.py [--arch sm_90] [--kernel cupa_decode_mma8_f16_d128 ...] [--dump DIR]
+
+--ptxas PATH --ptx-version X.Y compiles with another ptxas, the PTX's .version set to what it
+reads: the code an older compiler makes. The device's NVRTC 13.0 is such a one; with
+`--ptxas /usr/local/cuda-13.0/bin/ptxas --ptx-version 9.0` its miscompile of v44 step 3's
+cache-hinted copies shows (their LDGSTS read uniform registers nothing writes;
+docs/perf-log.md v44 step 3).
 
 The build is the runtime's (cupa.gpu.device.Target.runtime_options), so CUPA_EXTRA_OPTIONS
 (e.g. -DCUPA_MMA_MIN_BLOCKS=3) applies here as it does on the device.
@@ -32,15 +39,31 @@ from cupa.gpu.device import Target  # noqa: E402
 
 
 def tool(name):
-    found = shutil.which(name)
-    if found:
-        return found
+    """A CUDA tool from the PyPI wheels (their version is NVRTC's, so ptxas reads its PTX), else
+    from PATH."""
     import importlib.util
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations if spec else []):
         for path in sorted(glob.glob(os.path.join(root, "*", "bin", name)), reverse=True):
             return path
-    sys.exit(f"{name} not found: pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump")
+    found = shutil.which(name)
+    if found:
+        return found
+    sys.exit(f"{name} not found: pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump "
+             "nvidia-cuda-nvdisasm")
+
+
+def with_ptx_version(text, version):
+    """The PTX with its .version directive set to `version` ("9.0"), or unchanged for None."""
+    if version is None:
+        return text
+    if not re.fullmatch(r"\d+\.\d+", version):
+        raise ValueError(f"a PTX ISA version is MAJOR.MINOR, got {version!r}")
+    out, count = re.subn(r"^\.version \d+\.\d+", f".version {version}", text, count=1,
+                         flags=re.M)
+    if count != 1:
+        raise ValueError("no .version directive in the PTX")
+    return out
 
 
 def ptx(variant, arch):
@@ -105,15 +128,17 @@ def main():
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--kernel", action="append", help="partition kernel name (default: all mma)")
     p.add_argument("--dump", metavar="DIR", help="also write each kernel's SASS there")
+    p.add_argument("--ptxas", help="this ptxas instead of the wheels' (an older compiler's code)")
+    p.add_argument("--ptx-version", help="the PTX's .version for that ptxas, e.g. 9.0")
     args = p.parse_args()
-    ptxas, cuobjdump = tool("ptxas"), tool("cuobjdump")
+    ptxas, cuobjdump = args.ptxas or tool("ptxas"), tool("cuobjdump")
     chosen = [v for v in catalogue.all_mma_variants()
               if not args.kernel or v.partition_name in args.kernel]
     with tempfile.TemporaryDirectory() as tmp:
         for v in chosen:
             name = v.partition_name
             src, obj = os.path.join(tmp, name + ".ptx"), os.path.join(tmp, name + ".cubin")
-            Path(src).write_text(ptx(v, args.arch))
+            Path(src).write_text(with_ptx_version(ptx(v, args.arch), args.ptx_version))
             info = subprocess.run([ptxas, f"-arch={args.arch}", "-v", src, "-o", obj],
                                   capture_output=True, text=True, check=True).stderr
             usage = re.search(rf"Compiling entry function '{name}'[\s\S]*?(\d+) bytes spill "
