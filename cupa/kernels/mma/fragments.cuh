@@ -35,11 +35,7 @@ template <typename C> struct Frag {
     CUPA_FN static u32 k_operand(u32 word, int) { return word; }
     CUPA_FN static int v_unit(int tau) { return tau; }
     CUPA_FN static u32 v_operand(u32 word, int) { return word; }
-    CUPA_FN static int dim(int tau, int n) { return 8 * tau + n; }
-    // Which output dims sit side by side (the warps' stores to the merge buffer pair them):
-    // dim(tau, n + 1) == dim(tau, n) + 1 for even n, or dim(2i + 1, n) == dim(2i, n) + 1.
-    static constexpr bool COLUMN_PAIRS_ADJACENT = true;
-    static constexpr bool TILE_PAIRS_ADJACENT = false;
+    __host__ __device__ static constexpr int dim(int tau, int n) { return 8 * tau + n; }
 };
 
 // Two fp8 codes of a word w, bytes LO and HI (0-3), as a float16 pair, byte LO in the low half.
@@ -96,12 +92,23 @@ template <typename C> struct Fp8Frag {
     CUPA_FN static u32 v_operand(u32 word, int tau) {
         return (tau & 1) ? W::template pair<1, 3>(word) : W::template pair<0, 2>(word);
     }
-    CUPA_FN static int dim(int tau, int n) { return 16 * (tau >> 1) + 2 * n + (tau & 1); }
-    static constexpr bool COLUMN_PAIRS_ADJACENT = false;
-    static constexpr bool TILE_PAIRS_ADJACENT = true;
+    __host__ __device__ static constexpr int dim(int tau, int n) {
+        return 16 * (tau >> 1) + 2 * n + (tau & 1);
+    }
 };
 template <> struct Frag<cupa_fp8> : Fp8Frag<cupa_fp8> {};
 template <> struct Frag<cupa_fp8_e4m3> : Fp8Frag<cupa_fp8_e4m3> {};
+
+// Which output dims sit side by side, so that the warps' stores to the merge buffer can pair
+// them (dim is linear in both arguments): lane columns 2c and 2c + 1 of a dim tile (the 16-row
+// kernel's two values of a row), or dim tiles 2i and 2i + 1 of a lane column (the 8-column
+// kernel's two values of a row).
+template <typename F> __host__ __device__ constexpr bool column_pairs_adjacent() {
+    return F::dim(0, 1) == F::dim(0, 0) + 1;
+}
+template <typename F> __host__ __device__ constexpr bool tile_pairs_adjacent() {
+    return F::dim(1, 0) == F::dim(0, 0) + 1;
+}
 
 // The K and V words of one warp step, as loaded. K_ROWS_INNER picks the matrix order of K (and
 // the other one for V): the 8-column kernel takes K as an A operand (rows inner), the 16-row

@@ -245,7 +245,7 @@ CUPA_FN void decode_partition_mma16(
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         const int d0 = F::dim(j, 2 * c), d1 = F::dim(j, 2 * c + 1);
-        if constexpr (F::COLUMN_PAIRS_ADJACENT) {
+        if constexpr (column_pairs_adjacent<F>()) {
             store_pair(&o_s[warp][g][d0], acc[j][0], acc[j][1]);
             store_pair(&o_s[warp][g + 8][d0], acc[j][2], acc[j][3]);
         } else {

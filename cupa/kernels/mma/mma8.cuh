@@ -223,7 +223,7 @@ CUPA_FN void decode_partition_mma8(
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const int d_lo = F::dim(2 * i, g), d_hi = F::dim(2 * i + 1, g);
-        if constexpr (F::TILE_PAIRS_ADJACENT) {
+        if constexpr (tile_pairs_adjacent<F>()) {
             store_pair(&o_s[warp][2 * c][d_lo], acc[i][0], acc[i][2]);
             store_pair(&o_s[warp][2 * c + 1][d_lo], acc[i][1], acc[i][3]);
         } else {
