@@ -108,7 +108,7 @@ def test_rows_staged_at_their_own_width_take_a_deeper_ring(head_size, cache, sta
         chunk = 64 * v.warp_steps
         row_bytes = staged * (1 if cache else 2)
         ring = stages * 2 * chunk * row_bytes + 2 * stages * chunk * 4
-        merge = 4 * heads * (head_size + (4 if heads == 8 else 8)) * 4  # padded rows
+        merge = 4 * heads * catalogue.merge_row_floats(heads, head_size) * 4  # padded rows
         query = 16 * head_size * 2 if v.shared_query else 0
         assert v.shared_bytes == max(ring, merge) + query, (heads, v)
         assert v.workgroups_per_sm == (1 if staged == 256 and not cache else 2)
