@@ -98,6 +98,16 @@ ROW_CHUNK_FORMS = ("auto", "always", "never")
 #   multiprocessor); 16 x 16384 139.8 -> 140.5 and 1 x 32768 level (1.9); 8 x 4096 31.1 -> 36.0.
 DENSE_MIN_SM = 90
 DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
+# ... and for fp8 at head 128 only while the dense form's own plan has at most this many busy
+# workgroups a multiprocessor: where the default form (2 a multiprocessor) would split a grid of
+# 1-1.5 waves into twice the partitions (planner's wave quantisation) and the dense form runs it
+# whole in one wave. Since v45-v47 the default form is faster on every other grid. H200, fp8
+# e4m3, dense -> default form (docs/perf-log.md v47 step 2): in the window 36 x 4096 87.1 ->
+# 99.6 us, 40 x 4096 94.1 -> 105.4, 48 x 4096 108.5 -> 116.0, 40 x 2048 54.5 -> 64.1,
+# 48 x 8192 196.1 -> 201.2; past it 52 x 4096 124.0 -> 119.0, 56 x 4096 127.7 -> 125.6,
+# 64 x 4096 139.4 -> 139.1, 72 x 2048 104.8 -> 93.7, 128 x 1024 82.2 -> 79.7, 256 x 2048 268.6
+# -> 263.3.
+DENSE_UP_TO_WORKGROUPS_PER_SM = {(FP8_E4M3_NATIVE, 128): 3}
 # CUPA_DENSE: auto (the rule above), always (wherever the dense form exists) or never.
 DENSE_FORMS = ("auto", "always", "never")
 # The wide form of the tensor-core kernels (catalogue.WIDE_RING: 8 warps, one workgroup a
@@ -302,6 +312,14 @@ def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
         return None
     per_sm = DENSE_FROM_WORKGROUPS_PER_SM[(variant.cache, variant.head_size)]
     return dense if form == "always" or workgroups >= per_sm * multiprocessors else None
+
+
+def dense_plan_kept(dense, workgroups: int, multiprocessors: int) -> bool:
+    """Whether a launch stays on the dense form `dense` (from dense_form) once the form's own
+    plan has `workgroups` busy workgroups (DENSE_UP_TO_WORKGROUPS_PER_SM; always where the
+    switch says so)."""
+    most = DENSE_UP_TO_WORKGROUPS_PER_SM.get((dense.cache, dense.head_size))
+    return switches().dense == "always" or most is None or workgroups <= most * multiprocessors
 
 
 def wide_variant(variant, rows: int, arch: str):

@@ -161,16 +161,18 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     else:
         partition_size = _forced_partition_size(partition_size, capacity)
     # The dense form of the kernel where the grid has the workgroups for it; its own residency
-    # then plans the partitions again.
+    # then plans the partitions again, and its rule may still prefer the default form's plan.
     per_seq = shape.num_kv_heads * head_chunks
-    busy = round(fill * shape.num_seqs * per_seq * -(-longest // partition_size))
-    dense = dispatch.dense_form(variant, busy, multiprocessors, arch)
+
+    def busy(size: int) -> int:  # workgroups with work in a grid of `size`-token partitions
+        return round(fill * shape.num_seqs * per_seq * -(-longest // size))
+    dense = dispatch.dense_form(variant, busy(partition_size), multiprocessors, arch)
     if dense is not None:
-        variant = dense
-        if planned:
-            partition_size = _planned_partition_size(shape, variant, rows, head_chunks,
-                                                     multiprocessors, arch, longest, fill,
-                                                     residency)
+        dense_size = (_planned_partition_size(shape, dense, rows, head_chunks, multiprocessors,
+                                              arch, longest, fill, residency)
+                      if planned else partition_size)
+        if dispatch.dense_plan_kept(dense, busy(dense_size), multiprocessors):
+            variant, partition_size = dense, dense_size
     # The wide form where its own plan is one wave of long partitions (or where forced).
     wide = dispatch.wide_form(variant, rows, arch) if head_chunks == 1 else None
     if wide is not None:

@@ -95,10 +95,11 @@ struct KvRing {
     static constexpr int PASSES = CHUNK / ROWS_PER_PASS;
     // Whether a chunk's copy reads all its passes' block ids before it issues the first copy
     // (KvStream::copy_chunk): 0.4-3.4% faster from 8 x 4096 up, a workgroup streaming alone up
-    // to 10%. Not for a 16-bit cache at head 64, whose dense form would spill at its
-    // 128-register cap (4 bytes) and whose default form lost 1-2% at 1 x 4096
-    // (docs/perf-log.md v46).
-    static constexpr bool IDS_FIRST = sizeof(C) == 1 || STAGED_D > 64;
+    // to 10% (docs/perf-log.md v46). Not in the default form of a 16-bit cache at head 64,
+    // which serves only grids of less than a workgroup a multiprocessor and lost 1-2% at
+    // 1 x 4096 in three sessions. Its dense form spills 4 bytes at its 128-register cap with
+    // the ids and still gained 0.2-0.9% from 0.27 GB (v47).
+    static constexpr bool IDS_FIRST = sizeof(C) == 1 || STAGED_D > 64 || DENSE_STAGES > 0;
     static_assert(CHUNK % ROWS_PER_PASS == 0 && (ROWS_PER_PASS % 8 == 0 || ROWS_PER_PASS == 4),
                   "ring layout: a thread's copy rows share their swizzle (see pass_offset)");
     static_assert(CHUNK <= CUPA_THREADS, "one thread copies each token's block id");
