@@ -93,15 +93,17 @@ ROW_CHUNK_FORMS = ("auto", "always", "never")
 #   64 x 1024 54.6 -> 46.4, 128 x 1024 81.9 -> 78.9, 4 x 32768 80.5 -> 79.2, 256 x 2048 259.3 ->
 #   257.9, 16 x 16384 137.4 -> 136.5, 32 x 2048 46.3 -> 45.5, 1 x 32768 level; 128 workgroups,
 #   one a multiprocessor, need the deeper ring: 8 x 4096 31.2 -> 34.4 us;
-#   fp8 e4m3 at head 128 (the dense form has 64-token chunks, the default 128): 128 x 1024 87.2
-#   -> 83.7 us, 256 x 2048 271.9 -> 265.3, 64 x 4096 141.1 -> 139.9 (3.9 workgroups a
-#   multiprocessor); 16 x 16384 139.8 -> 140.5 and 1 x 32768 level (1.9); 8 x 4096 31.1 -> 36.0.
+#   fp8 e4m3 at head 128 (the dense form has 64-token chunks, the default 128), then: 128 x 1024
+#   87.2 -> 83.7 us, 256 x 2048 271.9 -> 265.3, 64 x 4096 141.1 -> 139.9 (3.9 workgroups a
+#   multiprocessor); 16 x 16384 139.8 -> 140.5 and 1 x 32768 level (1.9); 8 x 4096 31.1 -> 36.0
+#   (v47 found the first three reversed or level: see the bound below).
 DENSE_MIN_SM = 90
 DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
 # ... and for fp8 at head 128 only while the dense form's own plan has at most this many busy
 # workgroups a multiprocessor: where the default form (2 a multiprocessor) would split a grid of
 # 1-1.5 waves into twice the partitions (planner's wave quantisation) and the dense form runs it
-# whole in one wave. Since v45-v47 the default form is faster on every other grid. H200, fp8
+# whole in one wave. Since v45-v47 the default form is level or faster on the other grids
+# measured (64 x 2048, 1.94 waves, 0.6% behind: level within the runs' spread). H200, fp8
 # e4m3, dense -> default form (docs/perf-log.md v47 step 2): in the window 36 x 4096 87.1 ->
 # 99.6 us, 40 x 4096 94.1 -> 105.4, 48 x 4096 108.5 -> 116.0, 40 x 2048 54.5 -> 64.1,
 # 48 x 8192 196.1 -> 201.2; past it 52 x 4096 124.0 -> 119.0, 56 x 4096 127.7 -> 125.6,
