@@ -163,15 +163,14 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     # The dense form of the kernel where the grid has the workgroups for it; its own residency
     # then plans the partitions again, and its rule may still prefer the default form's plan.
     per_seq = shape.num_kv_heads * head_chunks
-
-    def busy(size: int) -> int:  # workgroups with work in a grid of `size`-token partitions
-        return round(fill * shape.num_seqs * per_seq * -(-longest // size))
-    dense = dispatch.dense_form(variant, busy(partition_size), multiprocessors, arch)
+    busy = busy_workgroups(shape.num_seqs * per_seq, longest, partition_size, fill)
+    dense = dispatch.dense_form(variant, busy, multiprocessors, arch)
     if dense is not None:
         dense_size = (_planned_partition_size(shape, dense, rows, head_chunks, multiprocessors,
                                               arch, longest, fill, residency)
                       if planned else partition_size)
-        if dispatch.dense_plan_kept(dense, busy(dense_size), multiprocessors):
+        dense_busy = busy_workgroups(shape.num_seqs * per_seq, longest, dense_size, fill)
+        if dispatch.dense_plan_kept(dense, dense_busy, multiprocessors):
             variant, partition_size = dense, dense_size
     # The wide form where its own plan is one wave of long partitions (or where forced).
     wide = dispatch.wide_form(variant, rows, arch) if head_chunks == 1 else None
@@ -203,6 +202,12 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                       all_ids_early=cluster or one_wave(variant, workgroups, multiprocessors,
                                                         residency),
                       stagger_slots=slots, stagger_ns=step)
+
+
+def busy_workgroups(heads: int, longest: int, partition_size: int, fill: float) -> int:
+    """Workgroups with work in a grid of `partition_size`-token partitions over `heads`
+    (sequence, KV head, row chunk) triples, fill x of them as long as the longest."""
+    return round(fill * heads * -(-longest // partition_size))
 
 
 def resident_per_sm(variant, residency) -> int:

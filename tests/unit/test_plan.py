@@ -474,6 +474,8 @@ def test_the_dense_form_only_where_it_exists(switch):
     assert sixteen.variant.heads == 16 and not sixteen.variant.dense
     switch("CUPA_DENSE", "always")
     assert make_plan(shape(1, 4096, head_size=64), H200_SMS, arch="sm_90").variant.dense
+    assert make_plan(shape(256, 2048, kv_format="fp8_e4m3"), H200_SMS, arch="sm_90",
+                     residency=h200_residency).variant.dense  # past its auto bound
     switch("CUPA_DENSE", "never")
     assert not make_plan(large, H200_SMS, arch="sm_90").variant.dense
     switch("CUPA_DENSE", "sometimes")
