@@ -163,25 +163,26 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     # The dense form of the kernel where the grid has the workgroups for it; its own residency
     # then plans the partitions again, and its rule may still prefer the default form's plan.
     per_seq = shape.num_kv_heads * head_chunks
-    busy = busy_workgroups(shape.num_seqs * per_seq, longest, partition_size, fill)
+    heads = shape.num_seqs * per_seq  # (sequence, KV head, row chunk) triples
+    busy = busy_workgroups(heads, longest, partition_size, fill)
     dense = dispatch.dense_form(variant, busy, multiprocessors, arch)
     if dense is not None:
         dense_size = (_planned_partition_size(shape, dense, rows, head_chunks, multiprocessors,
                                               arch, longest, fill, residency)
                       if planned else partition_size)
-        dense_busy = busy_workgroups(shape.num_seqs * per_seq, longest, dense_size, fill)
-        if dispatch.dense_plan_kept(dense, dense_busy, multiprocessors):
+        if dispatch.dense_plan_kept(dense, busy_workgroups(heads, longest, dense_size, fill),
+                                    multiprocessors):
             variant, partition_size = dense, dense_size
     # The wide form where its own plan is one wave of long partitions (or where forced).
     wide = dispatch.wide_form(variant, rows, arch) if head_chunks == 1 else None
     if wide is not None:
         forced = dispatch.switches().wide == "always"
-        if forced or (fill >= NEARLY_UNIFORM_FILL and per_seq * shape.num_seqs <= multiprocessors
+        if forced or (fill >= NEARLY_UNIFORM_FILL and heads <= multiprocessors
                       and longest >= dispatch.WIDE_MIN_PARTITION_TOKENS):
             wide_size = (_planned_partition_size(shape, wide, rows, head_chunks, multiprocessors,
                                                  arch, longest, fill, residency)
                          if planned else partition_size)
-            grid = shape.num_seqs * per_seq * -(-capacity // wide_size)
+            grid = heads * -(-capacity // wide_size)
             if forced or (grid <= multiprocessors
                           and min(wide_size, longest) >= dispatch.WIDE_MIN_PARTITION_TOKENS):
                 variant, partition_size = wide, wide_size
@@ -190,7 +191,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         partition_size = capacity
     if shape.num_seqs > MAX_GRID_YZ:
         raise ValueError(f"query: at most {MAX_GRID_YZ} sequences per call, got {shape.num_seqs}")
-    workgroups = shape.num_seqs * per_seq * max_partitions
+    workgroups = heads * max_partitions
     small = _small_launch(shape, variant, partition_size, workgroups, multiprocessors, fill)
     cluster = dispatch.merges_in_cluster(variant, arch, max_partitions, head_chunks,
                                          planned=MAX_CLUSTER if small else dispatch.PLANNED_CLUSTER)
