@@ -110,6 +110,21 @@ DENSE_FROM_WORKGROUPS_PER_SM = {(None, 64): 1, (FP8_E4M3_NATIVE, 128): 3}
 # 64 x 4096 139.4 -> 139.1, 72 x 2048 104.8 -> 93.7, 128 x 1024 82.2 -> 79.7, 256 x 2048 268.6
 # -> 263.3.
 DENSE_UP_TO_WORKGROUPS_PER_SM = {(FP8_E4M3_NATIVE, 128): 3}
+# ... and for these kinds, on a grid of more than one wave of the dense form, only where that
+# grid is no longer than the default form's by planner.wave_span (ties: where the dense plan's
+# partitions are no shorter). The default form's fewer or fuller waves win where the dense
+# plan splits partitions the default plan keeps whole, or leaves its last wave nearly empty.
+# H200, GQA 8, head 64, float16, dense -> default form (docs/perf-log.md v48):
+#   the dense plan split, the default not: 80 x 2048 99.3 -> 93.6 us, 96 x 2048 111.1 -> 106.6,
+#   88 x 1024 63.7 -> 58.9, 76 x 2048 95.7 -> 88.7, 96 x 512 43.7 -> 38.2, 96 x 4096 197.8 ->
+#   194.7, 80 x 8192 330.7 -> 330.9 (read flush 325.4 -> 319.1); bf16 96 x 2048 110.8 -> 106.9;
+#   equal partitions, the dense grid's last wave 6-18% full: 72 x 2048 94.1 -> 90.6, 144 x 1024
+#   87.6 -> 84.9, 140 x 2048 153.6 -> 148.8, 68 x 2048 88.4 -> 87.1, 72 x 1024 57.7 -> 57.1,
+#   136 x 1024 81.6 -> 81.7;
+#   the dense form kept: 132 x 1024 77.7 -> 79.6, 160 x 1024 91.9 -> 94.1, 112 x 2048 123.0 ->
+#   126.6, 120 x 2048 130.3 -> 132.1, 192 x 1024 106.6 -> 107.6, 264 x 1024 139.7 -> 141.9,
+#   100 x 2048 111.2 -> 111.5; its one miss: 200 x 2048 201.4 -> 202.7 (spans 16 and 15).
+DENSE_BY_WAVE_SPAN = frozenset({(None, 64)})
 # CUPA_DENSE: auto (the rule above), always (wherever the dense form exists) or never.
 DENSE_FORMS = ("auto", "always", "never")
 # The wide form of the tensor-core kernels (catalogue.WIDE_RING: 8 warps, one workgroup a
@@ -316,12 +331,16 @@ def dense_form(variant, workgroups: int, multiprocessors: int, arch: str):
     return dense if form == "always" or workgroups >= per_sm * multiprocessors else None
 
 
-def dense_plan_kept(dense, workgroups: int, multiprocessors: int) -> bool:
+def dense_plan_kept(dense, workgroups: int, multiprocessors: int, no_longer: bool) -> bool:
     """Whether a launch stays on the dense form `dense` (from dense_form) once the form's own
-    plan has `workgroups` busy workgroups (DENSE_UP_TO_WORKGROUPS_PER_SM; always where the
-    switch says so)."""
-    most = DENSE_UP_TO_WORKGROUPS_PER_SM.get((dense.cache, dense.head_size))
-    return switches().dense == "always" or most is None or workgroups <= most * multiprocessors
+    plan has `workgroups` busy workgroups (DENSE_UP_TO_WORKGROUPS_PER_SM) and its grid is or is
+    not `no_longer` than the default form's (asked of DENSE_BY_WAVE_SPAN's kinds); always where
+    the switch says so."""
+    kind = (dense.cache, dense.head_size)
+    most = DENSE_UP_TO_WORKGROUPS_PER_SM.get(kind)
+    return switches().dense == "always" or (
+        (most is None or workgroups <= most * multiprocessors)
+        and (no_longer or kind not in DENSE_BY_WAVE_SPAN))
 
 
 def wide_variant(variant, rows: int, arch: str):

@@ -170,8 +170,12 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
         dense_size = (_planned_partition_size(shape, dense, rows, head_chunks, multiprocessors,
                                               arch, longest, fill, residency)
                       if planned else partition_size)
-        if dispatch.dense_plan_kept(dense, busy_workgroups(heads, longest, dense_size, fill),
-                                    multiprocessors):
+        dense_busy = busy_workgroups(heads, longest, dense_size, fill)
+        no_longer = dense_grid_no_longer(
+            (dense_busy, min(dense_size, longest), resident_per_sm(dense, residency)),
+            (busy, min(partition_size, longest), resident_per_sm(variant, residency)),
+            multiprocessors)
+        if dispatch.dense_plan_kept(dense, dense_busy, multiprocessors, no_longer):
             variant, partition_size = dense, dense_size
     # The wide form where its own plan is one wave of long partitions (or where forced).
     wide = dispatch.wide_form(variant, rows, arch) if head_chunks == 1 else None
@@ -209,6 +213,27 @@ def busy_workgroups(heads: int, longest: int, partition_size: int, fill: float) 
     """Workgroups with work in a grid of `partition_size`-token partitions over `heads`
     (sequence, KV head, row chunk) triples, fill x of them as long as the longest."""
     return round(fill * heads * -(-longest // partition_size))
+
+
+def wave_span(workgroups: int, partition_tokens: int, per_sm: int, multiprocessors: int) -> int:
+    """How long a grid of `workgroups` busy workgroups of `partition_tokens` tokens runs, in
+    tokens a multiprocessor streams: its waves of per_sm workgroups a multiprocessor, rounded
+    up, each as long as a partition streamed at 1/per_sm of the multiprocessor's rate."""
+    return -(-workgroups // (per_sm * multiprocessors)) * partition_tokens * per_sm
+
+
+def dense_grid_no_longer(dense: tuple, default: tuple, multiprocessors: int) -> bool:
+    """Whether the dense form's grid is no longer than the default form's (see
+    dispatch.DENSE_BY_WAVE_SPAN). Each grid is (busy workgroups, tokens a partition,
+    workgroups a multiprocessor). Up to one wave of the dense form, and where a residency is
+    unknown, it is (v22's rule: its four workgroups a multiprocessor hide what the default
+    form's fewer cannot); past that, by wave_span, ties going to the longer partitions."""
+    (busy, tokens, per_sm), (default_busy, default_tokens, default_per_sm) = dense, default
+    if not per_sm or not default_per_sm or busy <= per_sm * multiprocessors:
+        return True
+    span = wave_span(busy, tokens, per_sm, multiprocessors)
+    default_span = wave_span(default_busy, default_tokens, default_per_sm, multiprocessors)
+    return span < default_span or (span == default_span and tokens >= default_tokens)
 
 
 def resident_per_sm(variant, residency) -> int:

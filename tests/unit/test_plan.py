@@ -436,6 +436,16 @@ def h200_residency(variant):
     ("fp8_e4m3", 128, 16, 16384, False, 16384),  # 139.8 (140.5 dense); now the wide form
     ("fp8_e4m3", 128, 1, 32768, False, 2048),   # level; then 128 workgroups of 2048 (v23)
     ("fp8_e4m3", 128, 8, 4096, False, 2048),    # 31.1 (36.0 dense)
+    # Head 64, 16-bit, past one dense wave: the dense form only where its grid is no longer
+    # than the default form's by planner.wave_span (v48, dense -> default form)
+    (None, 64, 96, 2048, False, 2048),   # 111.1 -> 106.6 us: the dense plan split, the default not
+    (None, 64, 88, 1024, False, 1024),   # 63.7 -> 58.9
+    (None, 64, 80, 8192, False, 8192),   # 330.7 -> 330.9 (read flush 325.4 -> 319.1)
+    (None, 64, 72, 2048, False, 1024),   # 94.1 -> 90.6: equal partitions, its last wave 18% full
+    (None, 64, 144, 1024, False, 1024),  # 87.6 -> 84.9
+    (None, 64, 132, 1024, True, 1024),   # 77.7 -> 79.6: two whole dense waves
+    (None, 64, 160, 1024, True, 1024),   # 91.9 -> 94.1: equal spans and partitions
+    (None, 64, 112, 2048, True, 2048),   # 123.0 -> 126.6
 ])
 def test_the_dense_form_serves_grids_with_the_workgroups_for_it(
         kv_format, head_size, batch, seq_len, dense, partition_size):
@@ -446,6 +456,22 @@ def test_the_dense_form_serves_grids_with_the_workgroups_for_it(
         assert (plan.variant.dense, plan.partition_size) == (dense, partition_size)
         assert plan.variant.partition_name.endswith("_dense") == dense
         assert plan.variant.cache == (kv_format and catalogue.FP8_E4M3_NATIVE)
+
+
+def test_wave_span_counts_whole_waves_of_a_slots_share():
+    # 1152 workgroups of 1024 tokens on 132 multiprocessors: 3 waves of 4 (the last 18% full)
+    # or 3 of 3 (91% full)
+    assert planner.wave_span(1152, 1024, 4, 132) == 3 * 1024 * 4
+    assert planner.wave_span(1152, 1024, 3, 132) == 3 * 1024 * 3
+    assert planner.wave_span(528, 1024, 4, 132) == 1024 * 4
+    assert planner.wave_span(529, 1024, 4, 132) == 2 * 1024 * 4
+    no_longer = planner.dense_grid_no_longer
+    assert no_longer((1152, 1024, 4), (1152, 1024, 3), 132) is False
+    assert no_longer((1056, 1024, 4), (1056, 1024, 3), 132) is True     # 2 whole waves of 4
+    assert no_longer((1280, 1024, 4), (1280, 1024, 3), 132) is True     # equal: same partitions
+    assert no_longer((1280, 1024, 4), (640, 2048, 3), 132) is False     # equal: split by dense
+    assert no_longer((512, 4096, 4), (1024, 2048, 3), 132) is True      # one dense wave
+    assert no_longer((1152, 1024, 0), (1152, 1024, 3), 132) is True     # residency unknown
 
 
 def test_every_dense_form_has_its_rule():
@@ -476,6 +502,8 @@ def test_the_dense_form_only_where_it_exists(switch):
     assert make_plan(shape(1, 4096, head_size=64), H200_SMS, arch="sm_90").variant.dense
     assert make_plan(shape(256, 2048, kv_format="fp8_e4m3"), H200_SMS, arch="sm_90",
                      residency=h200_residency).variant.dense  # past its auto bound
+    assert make_plan(shape(96, 2048, head_size=64), H200_SMS, arch="sm_90",
+                     residency=h200_residency).variant.dense  # a longer grid by its span
     switch("CUPA_DENSE", "never")
     assert not make_plan(large, H200_SMS, arch="sm_90").variant.dense
     switch("CUPA_DENSE", "sometimes")
