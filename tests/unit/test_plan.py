@@ -458,6 +458,38 @@ def test_the_dense_form_serves_grids_with_the_workgroups_for_it(
         assert plan.variant.cache == (kv_format and catalogue.FP8_E4M3_NATIVE)
 
 
+@pytest.mark.parametrize("batch, heads, kv_heads, head_size, kv_format, seq_len", [
+    (20, 64, 8, 128, None, 4096),        # 110.5 -> 96.2 us (v48 step 2)
+    (18, 64, 8, 128, None, 16384),       # 361.4 -> 298.8
+    (22, 64, 8, 128, None, 8192),        # 204.2 -> 189.6
+    (17, 64, 8, 128, None, 512),
+    (20, 64, 8, 128, "fp8_e4m3", 16384),  # 219.4 -> 180.8
+    (5, 32, 32, 128, None, 16384),       # MHA: 377.7 -> 325.1
+    (20, 64, 8, 96, None, 4096),         # 87.8 -> 78.8
+])
+def test_a_split_grid_of_one_to_one_and_a_third_waves_runs_whole_where_it_fills_the_sms(
+        batch, heads, kv_heads, head_size, kv_format, seq_len):
+    """Two partitions of 136-176 (sequence, KV head) pairs make 1.03-1.33 waves of the
+    default forms' 264 slots; one wave holds one partition of each, and those alone fill the
+    132 multiprocessors, so the whole sequence it is."""
+    plan = make_plan(shape(batch, seq_len, heads=heads, kv_heads=kv_heads, head_size=head_size,
+                           kv_format=kv_format), H200_SMS, arch="sm_90",
+                     residency=h200_residency)
+    assert plan.single_partition and not plan.variant.wide
+    assert batch * kv_heads >= H200_SMS
+    without = make_plan(shape(batch, seq_len, heads=heads, kv_heads=kv_heads,
+                              head_size=head_size, kv_format=kv_format), H200_SMS, arch="sm_90")
+    assert without.max_partitions == 2  # no residency, no wave quantisation
+
+
+def test_a_split_grid_short_of_the_sms_stays_split():
+    # Head 256's deep form holds one workgroup a multiprocessor: 10 x 8192's 80 pairs in two
+    # partitions are 1.21 of its waves, but one partition would leave 52 multiprocessors idle.
+    plan = make_plan(shape(10, 8192, head_size=256), H200_SMS, arch="sm_90",
+                     residency=lambda v: 1)
+    assert plan.variant.deep and plan.max_partitions == 2
+
+
 def test_wave_span_counts_whole_waves_of_a_slots_share():
     # 1152 workgroups of 1024 tokens on 132 multiprocessors: 3 waves of 4 (the last 18% full)
     # or 3 of 3 (91% full)
