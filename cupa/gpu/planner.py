@@ -336,17 +336,18 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     # Wave quantisation of a split grid: one of one to one and a half waves of resident
     # workgroups takes the most partitions that fit in one wave. 5 x 8192, GQA 8: 7 partitions
     # (280 workgroups on 264 slots) -> 6: float16 66.6 -> 59.5 us, fp8 44.9 -> 39.2 (v23).
-    # That may be one, the whole sequence, where the grid's workgroups alone fill every
-    # multiprocessor: GQA 8, 17-22 sequences, 2 partitions -> 1 (docs/perf-log.md v48):
-    # float16 18 x 16384 361.4 -> 298.8 us, 20 x 4096 110.5 -> 96.2, 20 x 2048 65.2 -> 55.0,
-    # 17 x 8192 185.8 -> 151.6, 22 x 16384 395.4 -> 374.6; fp8 20 x 16384 219.4 -> 180.8;
-    # MHA 5 x 16384 384.6 -> 328.4. (With fewer workgroups than multiprocessors, one
-    # partition would leave some idle.)
+    # That may be one, the whole sequence, 2 partitions -> 1 (docs/perf-log.md v48): GQA 8,
+    # 17-22 sequences, float16 18 x 16384 361.4 -> 298.8 us, 20 x 4096 110.5 -> 96.2, 20 x
+    # 2048 65.2 -> 55.0, 17 x 8192 185.8 -> 151.6, 22 x 16384 395.4 -> 374.6; fp8 20 x 16384
+    # 219.4 -> 180.8; MHA 5 x 16384 384.6 -> 328.4. Also where it leaves multiprocessors
+    # idle, the forms of one workgroup a multiprocessor at 9-11 sequences: head 256's deep
+    # form 10 x 16384 389.2 -> 319.2, 9 x 8192 194.3 -> 151.6, 11 x 4096 114.6 -> 99.7; the
+    # wide form's plan, then one partition (planner step 9): 9 x 16384 161.9 -> 155.1,
+    # 10 x 8192 96.5 -> 93.6, fp8 11 x 8192 62.2 -> 59.5.
     partitions = -(-longest // _split_size(longest, splits, variant))
-    fitting = resident // workgroups if resident else 0
     if (uniform and splits > 1 and resident < partitions * workgroups <= 1.5 * resident
-            and (fitting >= 2 or (fitting == 1 and workgroups >= multiprocessors))):
-        splits = fitting
+            and workgroups <= resident):
+        splits = resident // workgroups
     if splits == 1:
         return capacity
     # Fewer, longer partitions when the grid would exceed its y limit (very long caches).

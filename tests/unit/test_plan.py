@@ -482,12 +482,15 @@ def test_a_split_grid_of_one_to_one_and_a_third_waves_runs_whole_where_it_fills_
     assert without.max_partitions == 2  # no residency, no wave quantisation
 
 
-def test_a_split_grid_short_of_the_sms_stays_split():
-    # Head 256's deep form holds one workgroup a multiprocessor: 10 x 8192's 80 pairs in two
-    # partitions are 1.21 of its waves, but one partition would leave 52 multiprocessors idle.
-    plan = make_plan(shape(10, 8192, head_size=256), H200_SMS, arch="sm_90",
+def test_a_split_grid_of_one_workgroup_a_multiprocessor_runs_whole_too():
+    # Head 256's deep form holds one workgroup a multiprocessor: 10 x 16384's 80 pairs in two
+    # partitions are 1.21 of its waves; whole, 52 multiprocessors idle, it ran 389.2 -> 319.2 us.
+    deep = make_plan(shape(10, 16384, head_size=256), H200_SMS, arch="sm_90",
                      residency=lambda v: 1)
-    assert plan.variant.deep and plan.max_partitions == 2
+    assert deep.variant.deep and deep.single_partition
+    # The wide form's own plan likewise, which then serves: 9 x 16384 161.9 -> 155.1 us.
+    wide = make_plan(shape(9, 16384), H200_SMS, arch="sm_90", residency=wide_residency)
+    assert wide.variant.wide and wide.single_partition
 
 
 def test_wave_span_counts_whole_waves_of_a_slots_share():
