@@ -79,6 +79,43 @@ SMALL_LAUNCH_MAX_BYTES = 256 << 10
 # 77.9 at 10.
 STAGGER_MIN_SM = 90
 STAGGER_SPREAD_NS = 10_000
+# Short sequences of a uniform batch run one workgroup a multiprocessor: each sequence in as many
+# partitions as fit (multiprocessors // its workgroups, at least one; the uniform rule aims at two
+# a multiprocessor), where that grid fills at least ONE_A_SM_FRACTION of the multiprocessors; for
+# the 8-column kernel's forms of two or more workgroups a multiprocessor, from head
+# ONE_A_SM_MIN_HEAD_SIZE, on sm_90, up to ONE_A_SM_MAX_TOKENS a sequence. A workgroup alone on
+# its multiprocessor streams faster than a slot of a full one, and fewer partitions merge.
+# H200, GQA 8, uniform rule -> this one (docs/perf-log.md v49), µs:
+#   12-16 sequences whole (96-128 workgroups; a cluster pair before): float16 12 x 1024 25.3 ->
+#   23.9, 16 x 1024 29.9 -> 28.1, 12 x 512 17.4 -> 15.6, 12 x 2048 40.5 -> 38.6, 12 x 4096
+#   66.8 -> 63.2; fp8 12 x 1024 17.8 -> 15.6; bf16 12 x 4096 65.6 -> 62.8; head 96 13 x 4096
+#   56.3 -> 53.9; MHA 3 x 4096 65.3 -> 61.7;
+#   3-7 sequences in 2-5 partitions (4-8 before): 6 x 1024 18.8 -> 17.2, 7 x 2048 29.7 ->
+#   27.5, 6 x 4096 42.0 -> 40.0, 3 x 2048 18.2 -> 17.2, 5 x 2048 23.9 -> 23.6; fp8 7 x 4096
+#   30.3 -> 27.8; head 96 4 x 2048 18.8 -> 17.3. Eager calls back to back 0.64-1.0x the time
+#   (3 x 2048 23.7 -> 15.2, 6 x 4096 36.5 -> 31.1, 12 x 4096 62.4 -> 53.7).
+# Below the fraction the pair held (10 x 4096, 80 workgroups alone on 61% of the
+# multiprocessors: 2.9% faster paired), and head 64's pair won at 12 x 4096 (39.3 against 43.1).
+# Sliding windows and targets before sm_90 were not measured, and keep the uniform rule.
+ONE_A_SM_FRACTION = 0.7
+ONE_A_SM_MIN_HEAD_SIZE = 96
+ONE_A_SM_MIN_SM = 90
+ONE_A_SM_MAX_TOKENS = 4096  # measured up to 4096 (at head 128 the wide form serves from 8192)
+# A grid of one to one and a half waves of resident workgroups, whole, runs as two waves, the
+# second part-full (wave quantisation, _over_one_wave_splits). Up to QUARTER_SPLIT_MAX_WAVES
+# the sequences split in four (4.1-5 waves of quarter partitions, whose part-full last wave is
+# short); past it in two (2.5-3 waves, the last over half full); and whole where a partition's
+# fixed cost outweighs any tail: at most WHOLE_TOKENS tokens, or WHOLE_LATE_TOKENS past
+# WHOLE_LATE_FROM_WAVES. H200, GQA 8, head 128, float16, best split against the old two
+# (docs/perf-log.md v49): 34-40 x 2048-8192 in four 1.2-6.6% faster (34 x 8192 296.8 -> 281.7
+# us, 38 x 4096 178.0 -> 172.1), 42-48 x 4096-8192 level in two, 46-48 x 2048 whole 2.3-2.9%
+# faster, 34-48 x 1024 whole 2.6-10% faster; the same choices won at head 96, MHA, group 4,
+# bf16 and head 256's deep form (one a multiprocessor: 17 x 4096 168.6 -> 162.7). v23 first
+# split such grids, in two: 40 x 4096 211.0 us whole, 185.8 halved.
+QUARTER_SPLIT_MAX_WAVES = 1.25
+WHOLE_TOKENS = 1024
+WHOLE_LATE_TOKENS = 2048
+WHOLE_LATE_FROM_WAVES = 1.3
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
 NEARLY_UNIFORM_FILL = 0.9
@@ -298,15 +335,11 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     uniform = fill >= NEARLY_UNIFORM_FILL
     if one_tile and uniform:  # at most one a multiprocessor (ONE_TILE_ROWS)
         splits = max(1, min(splits, multiprocessors // max(workgroups, 1)))
-    # Wave quantisation: a grid of one to one and a half waves of resident workgroups runs as
-    # two full waves; halved partitions make it three half-length waves. Neither this step nor
-    # the split grid's below for the 16-row kernel, whose workgroups cost more to start and
-    # finish: group 16 at 96 x 1024 (384 workgroups on 264 slots) 84.7 us whole, 93.5 halved;
-    # 80 x 1024 82.4 and 89.3; 96 x 2048 135.0 and 138.3 (docs/perf-log.md v23). The 8-column
-    # kernel at 40 x 4096: 211.0 and 185.8.
-    resident = 0 if sixteen else resident_per_sm(variant, residency) * multiprocessors
-    if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
-        splits = 2
+    one_each = multiprocessors // max(workgroups, 1)  # partitions, one a multiprocessor
+    if (uniform and splits > one_each >= 1 and longest <= ONE_A_SM_MAX_TOKENS
+            and not shape.sliding_window and _runs_one_a_multiprocessor(variant, head_chunks, arch)
+            and ONE_A_SM_FRACTION * multiprocessors <= one_each * workgroups):
+        splits = one_each  # ONE_A_SM_FRACTION
     # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce
     # launch for short one-token launches once two give about one workgroup per
     # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
@@ -333,6 +366,14 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
             and one * workgroups >= ONE_PER_SM_DENSITY * multiprocessors
             and _split_size(longest, one, variant) <= CLUSTER_PAIR_MAX_TOKENS):
         splits = one
+    # Wave quantisation (QUARTER_SPLIT_MAX_WAVES): a grid of one to one and a half waves of
+    # resident workgroups runs as two waves. Neither this step nor the split grid's below for
+    # the 16-row kernel, whose workgroups cost more to start and finish: group 16 at 96 x 1024
+    # (384 workgroups on 264 slots) 84.7 us whole, 93.5 halved; 80 x 1024 82.4 and 89.3;
+    # 96 x 2048 135.0 and 138.3 (docs/perf-log.md v23).
+    resident = 0 if sixteen else resident_per_sm(variant, residency) * multiprocessors
+    if uniform and splits == 1 and resident and resident < workgroups <= 1.5 * resident:
+        splits = _over_one_wave_splits(variant, arch, workgroups / resident, longest)
     # Wave quantisation of a split grid: one of one to one and a half waves of resident
     # workgroups takes the most partitions that fit in one wave. 5 x 8192, GQA 8: 7 partitions
     # (280 workgroups on 264 slots) -> 6: float16 66.6 -> 59.5 us, fp8 44.9 -> 39.2 (v23).
@@ -352,6 +393,30 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
         return capacity
     # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
     return max(_split_size(longest, splits, variant), -(-capacity // MAX_GRID_YZ))
+
+
+def _runs_one_a_multiprocessor(variant, head_chunks: int, arch: str) -> bool:
+    """Whether a uniform batch of short sequences runs one workgroup of `variant` a
+    multiprocessor (ONE_A_SM_FRACTION): the 8-column kernel's forms of two or more workgroups a
+    multiprocessor, from head ONE_A_SM_MIN_HEAD_SIZE, on sm_90 and later."""
+    return (isinstance(variant, DecodeMmaVariant) and variant.rows == 8 and head_chunks == 1
+            and variant.workgroups_per_sm >= 2 and variant.head_size >= ONE_A_SM_MIN_HEAD_SIZE
+            and sm_number(arch) >= ONE_A_SM_MIN_SM)
+
+
+def _over_one_wave_splits(variant, arch: str, waves: float, longest: int) -> int:
+    """Partitions of a uniform grid of `waves` (1 to 1.5) waves whole (QUARTER_SPLIT_MAX_WAVES).
+    fp8 caches, head 64's 16-bit cache and the dense forms keep v23's halves: at fp8's head
+    128 and at head 64 the dense form's rule takes the grids it serves from those halves
+    (dispatch.DENSE_UP_TO_WORKGROUPS_PER_SM, DENSE_BY_WAVE_SPAN), fp8's dense form 2.5-15%
+    faster than the halves there (v47); fp8 at other head sizes was not measured."""
+    if (variant.cache or getattr(variant, "dense", False)
+            or dispatch.dense_variant(variant, arch) is not None):
+        return 2
+    if longest <= WHOLE_TOKENS or (longest <= WHOLE_LATE_TOKENS
+                                   and waves > WHOLE_LATE_FROM_WAVES):
+        return 1
+    return 4 if waves <= QUARTER_SPLIT_MAX_WAVES else 2
 
 
 def _split_size(longest: int, splits: int, variant) -> int:

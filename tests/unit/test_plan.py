@@ -770,15 +770,40 @@ def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
     # Unknown residency (no GPU, or the portable kernels): no such step.
     assert make_plan(fp8, H200_SMS, arch="sm_90").max_partitions == 1
     assert make_plan(fp8, H200_SMS, arch="sm_90", residency=lambda v: None).max_partitions == 1
-    # The 8-column kernel at 40 x 4096 (320 workgroups): halves (H200, v23: 211.0 -> 185.8 us);
-    # the 16-row kernel does not (group 16 at 96 x 1024, 384 workgroups: 84.7 whole, 93.5
+    # The 16-row kernel does not (group 16 at 96 x 1024, 384 workgroups: 84.7 whole, 93.5
     # halved).
-    eight = make_plan(shape(batch=40, seq_len=4096), H200_SMS, arch="sm_90",
-                      residency=lambda v: 2)
-    assert (eight.max_partitions, eight.partition_size) == (2, 2048)
     sixteen = make_plan(shape(batch=96, seq_len=1024, kv_heads=4), H200_SMS, arch="sm_90",
                         residency=lambda v: 2)
     assert sixteen.variant.heads == 16 and sixteen.max_partitions == 1
+
+
+@pytest.mark.parametrize("options, batch, seq_len, partitions", [
+    # Up to 1.25 waves whole: four quarters (H200, v49, against the old two halves).
+    ({}, 34, 8192, 4),                             # 296.8 -> 281.7 us
+    ({}, 38, 4096, 4),                             # 178.0 -> 172.1
+    ({}, 40, 4096, 4),                             # 1.2% (v23's halves: 211.0 -> 185.8 whole)
+    (dict(heads=32, kv_heads=32), 9, 2048, 4),     # MHA: 97.8 -> 88.0
+    (dict(head_size=96), 38, 4096, 4),             # 140.5 -> 134.9
+    (dict(dtype="bfloat16"), 36, 4096, 4),         # 173.9 -> 164.1
+    (dict(head_size=256), 17, 4096, 4),            # the deep form: 168.6 -> 162.7
+    # Past 1.25 waves: the halves (their third wave over half full) ...
+    ({}, 42, 4096, 2),
+    ({}, 48, 8192, 2),
+    ({}, 42, 2048, 2),
+    # ... or whole at up to 1024 tokens, and at 2048 past 1.3 waves.
+    ({}, 34, 1024, 1),                             # 57.9 -> 55.3
+    ({}, 48, 1024, 1),                             # 69.4 -> 63.0
+    ({}, 46, 2048, 1),                             # 110.8 -> 107.9
+    (dict(heads=32, kv_heads=32), 12, 2048, 1),    # MHA: 112.7 -> 110.0
+    # fp8 and head 64's 16-bit cache keep the halves, which their dense forms' rules read.
+    (dict(kv_format="fp8_e4m3", head_size=96), 38, 4096, 2),
+    (dict(head_size=64), 60, 2048, 1),             # 480 workgroups, 1.2 waves of 3: dense
+])
+def test_a_grid_just_over_one_wave_splits_by_its_last_wave(options, batch, seq_len, partitions):
+    plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
+                     residency=lambda v: 1 if v.deep else h200_residency(v))
+    assert plan.max_partitions == partitions and not plan.variant.wide
+    assert plan.variant.dense == (options.get("head_size") == 64)
 
 
 @pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
@@ -1026,9 +1051,52 @@ def test_short_one_token_launches_pair_their_partitions_in_clusters(switch):
                      max_query_len=4).max_partitions == 4  # the 16-row kernel: slower in pairs
     assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_80",
                      max_seq_len=4096).max_partitions == 4
-    switch("CUPA_MERGE", "reduce")
-    assert make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90",
-                     max_seq_len=4096).max_partitions == 4
+    switch("CUPA_MERGE", "reduce")  # one a multiprocessor still (ONE_A_SM_FRACTION), reduced
+    by_reduce = make_plan(shape(batch=8, seq_len=4096), H200_SMS, arch="sm_90", max_seq_len=4096)
+    assert by_reduce.max_partitions == 2 and by_reduce.reduce_launch
+
+
+@pytest.mark.parametrize("options, batch, seq_len, partitions", [
+    # 96-128 (sequence, KV head) pairs whole, not a cluster pair (H200, v49, µs):
+    ({}, 12, 1024, 1),                             # 25.3 -> 23.9
+    ({}, 16, 1024, 1),                             # 29.9 -> 28.1
+    ({}, 12, 512, 1),                              # 17.4 -> 15.6
+    ({}, 12, 4096, 1),                             # 66.8 -> 63.2
+    (dict(kv_format="fp8_e4m3"), 12, 1024, 1),     # 17.8 -> 15.6
+    (dict(dtype="bfloat16"), 12, 4096, 1),         # 65.6 -> 62.8
+    (dict(heads=32, kv_heads=32), 3, 4096, 1),     # MHA: 65.3 -> 61.7
+    (dict(head_size=96), 13, 4096, 1),             # 56.3 -> 53.9
+    # 3-7 sequences in the partitions that fit, not two a multiprocessor:
+    ({}, 6, 1024, 2),                              # 18.8 -> 17.2
+    ({}, 7, 2048, 2),                              # 29.7 -> 27.5
+    ({}, 6, 4096, 2),                              # 42.0 -> 40.0
+    ({}, 5, 2048, 3),                              # 23.9 -> 23.6
+    ({}, 3, 2048, 4),                              # 18.2 -> 17.2
+    (dict(kv_format="fp8_e4m3"), 7, 4096, 2),      # 30.3 -> 27.8
+    (dict(head_size=96), 4, 2048, 4),              # 18.8 -> 17.3
+])
+def test_short_sequences_run_one_workgroup_a_multiprocessor(switch, options, batch, seq_len,
+                                                            partitions):
+    """Each sequence in as many partitions as leave one workgroup a multiprocessor, where
+    that fills at least ONE_A_SM_FRACTION of them."""
+    switch("CUPA_MERGE", None)
+    plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
+                     max_seq_len=seq_len)
+    assert plan.max_partitions == partitions and not plan.variant.wide
+    assert batch * plan.max_partitions * shape(**options).num_kv_heads <= H200_SMS
+
+
+def test_where_one_workgroup_a_multiprocessor_is_not_planned(switch):
+    switch("CUPA_MERGE", None)
+    switch("CUPA_WIDE", "never")
+    pairs = [make_plan(shape(10, 4096), H200_SMS, arch="sm_90"),  # 80 pairs: 2.9% faster paired
+             make_plan(shape(12, 4096, head_size=64), H200_SMS, arch="sm_90")]  # 39.3 vs 43.1
+    assert all(p.max_partitions == 2 and p.cluster_merge for p in pairs)
+    assert make_plan(shape(12, 8192, head_size=96), H200_SMS, arch="sm_90").max_partitions > 1
+    assert make_plan(shape(12, 4096), H200_SMS, arch="sm_80").max_partitions > 1
+    assert make_plan(shape(6, 1024), H200_SMS, arch="sm_80").max_partitions == 4
+    window = make_plan(shape(8, 32768, window=4096), H200_SMS, arch="sm_90", max_seq_len=32768)
+    assert window.partition_size == 1024  # sliding windows: not measured, the uniform rule
 
 
 def test_forcing_the_portable_kernel_on_amd(switch):
