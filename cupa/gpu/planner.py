@@ -92,8 +92,9 @@ STAGGER_SPREAD_NS = 10_000
 #   56.3 -> 53.9; MHA 3 x 4096 65.3 -> 61.7;
 #   3-7 sequences in 2-5 partitions (4-8 before): 6 x 1024 18.8 -> 17.2, 7 x 2048 29.7 ->
 #   27.5, 6 x 4096 42.0 -> 40.0, 3 x 2048 18.2 -> 17.2, 5 x 2048 23.9 -> 23.6; fp8 7 x 4096
-#   30.3 -> 27.8; head 96 4 x 2048 18.8 -> 17.3. Eager calls back to back 0.64-1.0x the time
-#   (3 x 2048 23.7 -> 15.2, 6 x 4096 36.5 -> 31.1, 12 x 4096 62.4 -> 53.7).
+#   30.3 -> 27.8; head 96 4 x 2048 18.8 -> 17.3. Eager calls back to back 0.64-1.0x the time,
+#   the most where the new plan merges in one launch and the old needed the reduce (3 x 2048
+#   23.7 -> 15.2, 6 x 4096 36.5 -> 31.1; 12 x 4096 62.4 -> 53.7).
 # Below the fraction the pair held (10 x 4096, 80 workgroups alone on 61% of the
 # multiprocessors: 2.9% faster paired), and head 64's pair won at 12 x 4096 (39.3 against 43.1).
 # Sliding windows and targets before sm_90 were not measured, and keep the uniform rule.
