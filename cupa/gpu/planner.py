@@ -109,11 +109,14 @@ ONE_A_SM_MAX_TOKENS = 4096  # measured up to 4096 (at head 128 the wide form ser
 # fixed cost outweighs any tail: at most WHOLE_TOKENS tokens, or WHOLE_LATE_TOKENS past
 # WHOLE_LATE_FROM_WAVES. H200, GQA 8, head 128, float16, best split against the old two
 # (docs/perf-log.md v49): 34-40 x 2048-8192 in four 1.2-6.6% faster (34 x 8192 296.8 -> 281.7
-# us, 38 x 4096 178.0 -> 172.1), 42-48 x 4096-8192 level in two, 46-48 x 2048 whole 2.3-2.9%
-# faster, 34-48 x 1024 whole 2.6-10% faster; the same choices won at head 96, MHA, group 4,
-# bf16 and head 256's deep form (one a multiprocessor: 17 x 4096 168.6 -> 162.7). v23 first
-# split such grids, in two: 40 x 4096 211.0 us whole, 185.8 halved.
+# us, 38 x 4096 178.0 -> 172.1), 42-48 x 4096-8192 best in two still, 46-48 x 2048 whole
+# 2.3-2.9% faster, 34-48 x 1024 whole 2.6-10% faster; the same choices won at MHA, group 4,
+# bf16, heads 80 and 96, head 256's deep form (one a multiprocessor: 17 x 4096 168.6 -> 162.7)
+# and fp8 at head 96 (34 x 4096 82.3 -> 74.3 in four, 40 x 1024 39.1 -> 29.7 whole). v23 first
+# split such grids, in two: 40 x 4096 211.0 us whole, 185.8 halved. Heads below 80 (head 64's
+# forms hold 3-5 workgroups a multiprocessor) were not measured.
 QUARTER_SPLIT_MAX_WAVES = 1.25
+QUARTER_SPLIT_MIN_HEAD_SIZE = 80
 WHOLE_TOKENS = 1024
 WHOLE_LATE_TOKENS = 2048
 WHOLE_LATE_FROM_WAVES = 1.3
@@ -407,12 +410,13 @@ def _runs_one_a_multiprocessor(variant, head_chunks: int, arch: str) -> bool:
 
 def _over_one_wave_splits(variant, arch: str, waves: float, longest: int) -> int:
     """Partitions of a uniform grid of `waves` (1 to 1.5) waves whole (QUARTER_SPLIT_MAX_WAVES).
-    fp8 caches, head 64's 16-bit cache and the dense forms keep v23's halves: at fp8's head
-    128 and at head 64 the dense form's rule takes the grids it serves from those halves
-    (dispatch.DENSE_UP_TO_WORKGROUPS_PER_SM, DENSE_BY_WAVE_SPAN), fp8's dense form 2.5-15%
-    faster than the halves there (v47); fp8 at other head sizes was not measured."""
-    if (variant.cache or getattr(variant, "dense", False)
-            or dispatch.dense_variant(variant, arch) is not None):
+    The forms that have a dense form (fp8 e4m3 at head 128, a 16-bit cache at head 64), the
+    dense forms themselves and heads below QUARTER_SPLIT_MIN_HEAD_SIZE keep v23's halves: the
+    dense forms' rules take the grids they serve from those halves (dispatch.
+    DENSE_UP_TO_WORKGROUPS_PER_SM, DENSE_BY_WAVE_SPAN), fp8's dense form 2.5-15% faster than
+    the halves (v47) and 2.5-13% faster than the quarters (v49)."""
+    if (getattr(variant, "dense", False) or dispatch.dense_variant(variant, arch) is not None
+            or variant.head_size < QUARTER_SPLIT_MIN_HEAD_SIZE):
         return 2
     if longest <= WHOLE_TOKENS or (longest <= WHOLE_LATE_TOKENS
                                    and waves > WHOLE_LATE_FROM_WAVES):

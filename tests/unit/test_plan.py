@@ -795,15 +795,21 @@ def test_planner_halves_partitions_of_a_grid_just_over_one_wave():
     ({}, 48, 1024, 1),                             # 69.4 -> 63.0
     ({}, 46, 2048, 1),                             # 110.8 -> 107.9
     (dict(heads=32, kv_heads=32), 12, 2048, 1),    # MHA: 112.7 -> 110.0
-    # fp8 and head 64's 16-bit cache keep the halves, which their dense forms' rules read.
-    (dict(kv_format="fp8_e4m3", head_size=96), 38, 4096, 2),
-    (dict(head_size=64), 60, 2048, 1),             # 480 workgroups, 1.2 waves of 3: dense
+    # fp8 alike where it has no dense form (head 96) ...
+    (dict(kv_format="fp8_e4m3", head_size=96), 38, 4096, 4),  # 86.4 -> 80.9
+    (dict(kv_format="fp8_e4m3", head_size=96), 46, 2048, 1),  # 59.4 -> 54.3
+    (dict(kv_format="fp8_e4m3", head_size=96), 40, 1024, 1),  # 39.1 -> 29.7
+    # ... while fp8 at head 128 and head 64's 16-bit cache keep the halves, from which their
+    # dense forms' rules take these grids: run whole on the dense form.
+    (dict(kv_format="fp8_e4m3"), 36, 2048, 1),     # dense 51.2, default in four 58.6
+    (dict(head_size=64), 60, 2048, 1),             # 480 workgroups, 1.2 waves of 3
 ])
 def test_a_grid_just_over_one_wave_splits_by_its_last_wave(options, batch, seq_len, partitions):
     plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
                      residency=lambda v: 1 if v.deep else h200_residency(v))
     assert plan.max_partitions == partitions and not plan.variant.wide
-    assert plan.variant.dense == (options.get("head_size") == 64)
+    dense_kind = options.get("head_size", 128) == (128 if options.get("kv_format") else 64)
+    assert plan.variant.dense == dense_kind
 
 
 @pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
