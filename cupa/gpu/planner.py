@@ -337,13 +337,16 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     wanted = (1 if one_tile else variant.workgroups_per_sm) * multiprocessors
     splits = _splits(wanted, workgroups, per_seq, fill)
     uniform = fill >= NEARLY_UNIFORM_FILL
+    one = multiprocessors // max(workgroups, 1)  # partitions of each, one a multiprocessor
     if one_tile and uniform:  # at most one a multiprocessor (ONE_TILE_ROWS)
-        splits = max(1, min(splits, multiprocessors // max(workgroups, 1)))
-    one_each = multiprocessors // max(workgroups, 1)  # partitions, one a multiprocessor
-    if (uniform and splits > one_each >= 1 and longest <= ONE_A_SM_MAX_TOKENS
-            and not shape.sliding_window and _runs_one_a_multiprocessor(variant, head_chunks, arch)
-            and ONE_A_SM_FRACTION * multiprocessors <= one_each * workgroups):
-        splits = one_each  # ONE_A_SM_FRACTION
+        splits = max(1, min(splits, one))
+    eight_column = _eight_column_whole_rows(variant, head_chunks)
+    if (uniform and splits > one >= 1 and longest <= ONE_A_SM_MAX_TOKENS
+            and not shape.sliding_window and eight_column
+            and variant.workgroups_per_sm >= 2 and variant.head_size >= ONE_A_SM_MIN_HEAD_SIZE
+            and sm_number(arch) >= ONE_A_SM_MIN_SM
+            and ONE_A_SM_FRACTION * multiprocessors <= one * workgroups):
+        splits = one  # ONE_A_SM_FRACTION
     # Two partitions merged within a cluster (sm_90) beat more partitions and the reduce
     # launch for short one-token launches once two give about one workgroup per
     # multiprocessor: 8 x 4096 (64 x 2 workgroups of 2048 tokens) 50.7 -> 47.8 us. Longer
@@ -363,9 +366,7 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     # H200, GQA 8, before -> after: float16 1 x 32768 51.8 -> 50.4 us (16 partitions of 2048
     # instead of 32 of 1024), 1 x 16384 34.4 -> 32.6; fp8 1 x 32768 35.4 -> 33.6; MHA 1 x 4096
     # 30.9 -> 30.4. Head 64 was level or slower (docs/perf-log.md v23).
-    one = multiprocessors // max(workgroups, 1)
-    if (uniform and splits > one >= 3 and isinstance(variant, DecodeMmaVariant)
-            and variant.rows == 8 and head_chunks == 1
+    if (uniform and splits > one >= 3 and eight_column
             and variant.head_size in ONE_PER_SM_HEAD_SIZES
             and one * workgroups >= ONE_PER_SM_DENSITY * multiprocessors
             and _split_size(longest, one, variant) <= CLUSTER_PAIR_MAX_TOKENS):
@@ -399,13 +400,10 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     return max(_split_size(longest, splits, variant), -(-capacity // MAX_GRID_YZ))
 
 
-def _runs_one_a_multiprocessor(variant, head_chunks: int, arch: str) -> bool:
-    """Whether a uniform batch of short sequences runs one workgroup of `variant` a
-    multiprocessor (ONE_A_SM_FRACTION): the 8-column kernel's forms of two or more workgroups a
-    multiprocessor, from head ONE_A_SM_MIN_HEAD_SIZE, on sm_90 and later."""
-    return (isinstance(variant, DecodeMmaVariant) and variant.rows == 8 and head_chunks == 1
-            and variant.workgroups_per_sm >= 2 and variant.head_size >= ONE_A_SM_MIN_HEAD_SIZE
-            and sm_number(arch) >= ONE_A_SM_MIN_SM)
+def _eight_column_whole_rows(variant, head_chunks: int) -> bool:
+    """Whether `variant` is the 8-column tensor-core kernel (any form) holding all of a KV
+    head's query rows in one workgroup (no row chunks)."""
+    return isinstance(variant, DecodeMmaVariant) and variant.rows == 8 and head_chunks == 1
 
 
 def _over_one_wave_splits(variant, arch: str, waves: float, longest: int) -> int:
