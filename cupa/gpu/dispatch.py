@@ -39,6 +39,9 @@ CHAINED_REDUCE_MIN_SM = 90
 # between them (docs/perf-log.md v25 step 5). A kernel that does not allow it (a user's, the
 # bench's L2 flush) starts it when it ends, as without the attribute.
 CHAINED_PHASE1_MIN_SM = 90
+# CUPA_CHAINED_PHASE1: 1 (where the plan allows it: planner.phase1_chains), 0 (never: ordinary
+# phase-1 launches) or always (wherever the target chains, whatever the plan says).
+CHAINED_PHASE1_FORMS = ("1", "0", "always")
 # From sm_90 the partitions of a (sequence, KV head) may run as one thread-block cluster and
 # merge through distributed shared memory instead of a reduce launch (merge_cluster in
 # decode_mma.cu), for the tensor-core kernels and up to MAX_CLUSTER partitions. The planner uses
@@ -169,7 +172,7 @@ class Switches:
     stagger: str = "auto"         # CUPA_STAGGER: auto or never (STAGGER_FORMS)
     staged_heads: str = "auto"    # CUPA_STAGED_HEADS: auto or never (STAGED_HEAD_FORMS)
     chained_reduce: bool = True   # CUPA_CHAINED_REDUCE=0: ordinary reduce launches
-    chained_phase1: bool = True   # CUPA_CHAINED_PHASE1=0: ordinary phase-1 launches
+    chained_phase1: str = "1"     # CUPA_CHAINED_PHASE1: 1, 0 or always (CHAINED_PHASE1_FORMS)
 
 
 def _form(name: str, forms: tuple) -> str:
@@ -192,7 +195,7 @@ def switches() -> Switches:
                     stagger=_form("CUPA_STAGGER", STAGGER_FORMS),
                     staged_heads=_form("CUPA_STAGED_HEADS", STAGED_HEAD_FORMS),
                     chained_reduce=os.environ.get("CUPA_CHAINED_REDUCE", "1") != "0",
-                    chained_phase1=os.environ.get("CUPA_CHAINED_PHASE1", "1") != "0")
+                    chained_phase1=_form("CUPA_CHAINED_PHASE1", CHAINED_PHASE1_FORMS))
 
 
 def reload_switches() -> None:
@@ -250,10 +253,13 @@ def chains_reduce(arch: str) -> bool:
     return switches().chained_reduce and sm_number(arch) >= CHAINED_REDUCE_MIN_SM
 
 
-def chains_phase1(arch: str) -> bool:
+def chains_phase1(arch: str, plan_allows: bool = True) -> bool:
     """Whether phase 1 on `arch` is launched as a programmatic dependent of the kernel ahead of
-    it (see CHAINED_PHASE1_MIN_SM)."""
-    return switches().chained_phase1 and sm_number(arch) >= CHAINED_PHASE1_MIN_SM
+    it (see CHAINED_PHASE1_MIN_SM), for a plan that does or does not allow it
+    (planner.phase1_chains; CHAINED_PHASE1_FORMS)."""
+    form = switches().chained_phase1
+    return (form != "0" and sm_number(arch) >= CHAINED_PHASE1_MIN_SM
+            and (plan_allows or form == "always"))
 
 
 def merges_in_cluster(variant, arch: str, max_partitions: int, head_chunks: int = 1,

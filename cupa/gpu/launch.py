@@ -69,6 +69,16 @@ def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.nda
     return _device_factors(factors.tobytes(), device_index)
 
 
+def phase1_form(plan: LaunchPlan, arch: str, extended: bool) -> str:
+    """Phase 1's launch form (driver.PreparedLaunch): a programmatic dependent of the kernel
+    ahead where the target chains for this plan (dispatch.chains_phase1, planner.phase1_chains)
+    and the driver has the extended launch; in a cluster where the plan merges in one."""
+    chained = extended and dispatch.chains_phase1(arch, plan.phase1_chained)
+    if plan.cluster_merge:
+        return "cluster-dependent" if chained else "cluster"
+    return "dependent" if chained else "plain"
+
+
 class DecodeLaunch:
     """A plan's launches, prepared once: phase 1, then the reduce where the partitions neither
     are one nor merge within clusters. Call it with the 14 pointers of PARTITION_POINTERS; the
@@ -94,9 +104,7 @@ class DecodeLaunch:
         # during the kernel ahead of it where that kernel allows (a previous call's; both wait
         # for the kernel ahead before they read: decode_common.cuh).
         extended = _has_extended(is_hip)
-        form = "cluster" if plan.cluster_merge else "plain"
-        if dispatch.chains_phase1(info.target.arch) and extended:
-            form = "cluster-dependent" if plan.cluster_merge else "dependent"
+        form = phase1_form(plan, info.target.arch, extended)
         chained = dispatch.chains_reduce(info.target.arch) and extended
         self.partition = PreparedLaunch(
             compiled[plan.variant.partition_name], grid, block,

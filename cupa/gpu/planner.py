@@ -120,6 +120,44 @@ QUARTER_SPLIT_MIN_HEAD_SIZE = 80
 WHOLE_TOKENS = 1024
 WHOLE_LATE_TOKENS = 2048
 WHOLE_LATE_FROM_WAVES = 1.3
+# Long sequences of a uniform batch whose grid, whole, is less than one wave of the default form
+# (LONG_SPLIT_MIN_SM_FRACTION of the multiprocessors to LONG_SPLIT_MAX_SLOT_FRACTION of the
+# resident slots) run in partitions of one of LONG_SPLIT_TOKENS, the one whose grid fills its
+# last wave of resident workgroups the more (ties: the longer): several waves of short
+# partitions balance the multiprocessors, where one wave of whole sequences leaves some with
+# two workgroups and some with one. From LONG_SPLIT_MIN_TOKENS tokens (at 8192 whole won), for
+# the 8-column kernel's default forms of two or more workgroups a multiprocessor from head
+# LONG_SPLIT_MIN_HEAD_SIZE, on sm_90. Not where the wide form whole covers nearly every
+# multiprocessor (LONG_SPLIT_WIDE_FRACTION of them to all): 16 x 16384 whole 2.6% faster.
+# H200, GQA 8, head 128, float16, whole -> this rule (docs/perf-log.md v50), µs, held out from
+# the sweep the rule was read off: 19 x 16384 312.6 -> 307.6 (2048), 21 x 16384 348.6 ->
+# 339.2 (4096), 23 x 16384 383.6 -> 362.6 (4096), 25 x 16384 408.4 -> 394.4 (2048), 27 x 16384
+# 434.5 -> 427.4 (2048), 13 x 32768 423.6 -> 419.9 (2048), 15 x 32768 469.3 -> 466.6 (4096);
+# its miss: 18 x 16384 295.6 -> 300.9. The same choice at bf16, fp8, MHA, group 4 and head 96:
+# fp8 23 x 16384 204.9 -> 195.1, MHA 3 x 32768 771.4 -> 716.9, head 96 19 x 16384 258.6 ->
+# 238.1; fp8's 13 x 32768 lost 1.4% (220.2 -> 223.2).
+LONG_SPLIT_TOKENS = (2048, 4096)
+LONG_SPLIT_MIN_TOKENS = 16384
+LONG_SPLIT_MIN_HEAD_SIZE = 96
+LONG_SPLIT_MIN_SM = 90
+LONG_SPLIT_MIN_SM_FRACTION = 0.7
+LONG_SPLIT_MAX_SLOT_FRACTION = 0.85
+LONG_SPLIT_WIDE_FRACTION = 0.95
+# Phase 1 is launched as a programmatic dependent of the kernel ahead (dispatch.chains_phase1:
+# a back-to-back call's workgroups become resident in the free slots while the previous call
+# drains), except where its grid is one wave that fills more than UNCHAINED_FROM_SLOTS and less
+# than UNCHAINED_TO_SLOTS of the resident slots. There the free slots hold only part of the next
+# call's grid, and back to back its calls ran 3-52% slower chained than launched plainly, the
+# most just past half (H200, eager calls back to back, chained -> plain, docs/perf-log.md v50
+# step 2, µs): GQA 8 17 x 4096 (136 of 264 slots) 110.4 -> 73.5, 17 x 8192 217.8 -> 142.9,
+# 20 x 4096 114.7 -> 85.3, 20 x 1024 32.8 -> 26.5, 26 x 4096 119.0 -> 106.0, 30 x 4096 (240)
+# 123.5 -> 118.2; bf16, fp8, head 96, MHA and group 16 alike; head 256 at 20 x 4096 (80 of its
+# 132) 114.5 -> 84.7; head 64's dense form at 40 x 4096 (320 of 528) 114.3 -> 83.1. At half or
+# less the next grid fits the free slots and chaining gains (12 x 1024 18.3 -> 17.0, group 16
+# 33 x 2048 at exactly half 39.0 -> 37.6), and on nearly full grids too (32 x 2048, 256 of 264:
+# 68.0 -> 66.8).
+UNCHAINED_FROM_SLOTS = 0.5
+UNCHAINED_TO_SLOTS = 0.95
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
 # quantisation, paired partitions) included: a nearly uniform batch's partitions start together.
 NEARLY_UNIFORM_FILL = 0.9
@@ -143,6 +181,9 @@ class LaunchPlan:
     # of them (first_wave_stagger; 0: at once).
     stagger_slots: int = 0
     stagger_ns: int = 0
+    # Phase 1 may launch as a programmatic dependent of the kernel ahead, where the target
+    # chains at all (dispatch.chains_phase1; phase1_chains).
+    phase1_chained: bool = True
 
     @property
     def single_partition(self) -> bool:
@@ -206,7 +247,11 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     per_seq = shape.num_kv_heads * head_chunks
     heads = shape.num_seqs * per_seq  # (sequence, KV head, row chunk) triples
     busy = busy_workgroups(heads, longest, partition_size, fill)
-    dense = dispatch.dense_form(variant, busy, multiprocessors, arch)
+    # A plan of long sequences split by LONG_SPLIT_TOKENS stays on the default form: the
+    # splits were measured there, and neither the dense nor the wide form was.
+    long_split = planned and long_partition_splits(shape, variant, arch, head_chunks, longest,
+                                                   fill, multiprocessors, residency) > 0
+    dense = None if long_split else dispatch.dense_form(variant, busy, multiprocessors, arch)
     if dense is not None:
         dense_size = (_planned_partition_size(shape, dense, rows, head_chunks, multiprocessors,
                                               arch, longest, fill, residency)
@@ -223,7 +268,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
     if wide is not None:
         forced = dispatch.switches().wide == "always"
         if forced or (fill >= NEARLY_UNIFORM_FILL and heads <= multiprocessors
-                      and longest >= dispatch.WIDE_MIN_PARTITION_TOKENS):
+                      and longest >= dispatch.WIDE_MIN_PARTITION_TOKENS and not long_split):
             wide_size = (_planned_partition_size(shape, wide, rows, head_chunks, multiprocessors,
                                                  arch, longest, fill, residency)
                          if planned else partition_size)
@@ -247,7 +292,9 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                       cluster_merge=cluster,
                       all_ids_early=cluster or one_wave(variant, workgroups, multiprocessors,
                                                         residency),
-                      stagger_slots=slots, stagger_ns=step)
+                      stagger_slots=slots, stagger_ns=step,
+                      phase1_chained=phase1_chains(variant, workgroups, multiprocessors,
+                                                   residency))
 
 
 def busy_workgroups(heads: int, longest: int, partition_size: int, fill: float) -> int:
@@ -286,6 +333,14 @@ def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
     """Whether a grid of `workgroups` runs as one wave: all resident at once (False where the
     residency is unknown)."""
     return 0 < workgroups <= resident_per_sm(variant, residency) * multiprocessors
+
+
+def phase1_chains(variant, workgroups: int, multiprocessors: int, residency) -> bool:
+    """Whether phase 1 may launch as a dependent of the kernel ahead: not where its grid of
+    `workgroups` is one wave between UNCHAINED_FROM_SLOTS and UNCHAINED_TO_SLOTS of the resident
+    slots (chained wherever the residency is unknown)."""
+    slots = resident_per_sm(variant, residency) * multiprocessors
+    return not UNCHAINED_FROM_SLOTS * slots < workgroups < UNCHAINED_TO_SLOTS * slots
 
 
 def first_wave_stagger(variant, arch: str, workgroups: int, multiprocessors: int, residency,
@@ -394,10 +449,37 @@ def _planned_partition_size(shape: DecodeShape, variant, rows: int, head_chunks:
     if (uniform and splits > 1 and resident < partitions * workgroups <= 1.5 * resident
             and workgroups <= resident):
         splits = resident // workgroups
+    long_splits = long_partition_splits(shape, variant, arch, head_chunks, longest, fill,
+                                        multiprocessors, residency)
+    if long_splits:
+        splits = long_splits  # LONG_SPLIT_TOKENS
     if splits == 1:
         return capacity
     # Fewer, longer partitions when the grid would exceed its y limit (very long caches).
     return max(_split_size(longest, splits, variant), -(-capacity // MAX_GRID_YZ))
+
+
+def long_partition_splits(shape: DecodeShape, variant, arch: str, head_chunks: int,
+                          longest: int, fill: float, multiprocessors: int, residency) -> int:
+    """Partitions of the longest sequence by LONG_SPLIT_TOKENS on `variant`, or 0 where that
+    rule does not apply."""
+    per_sm = resident_per_sm(variant, residency)
+    slots = per_sm * multiprocessors
+    workgroups = shape.num_seqs * shape.num_kv_heads * head_chunks  # a partition's
+    if not (fill >= NEARLY_UNIFORM_FILL and not shape.sliding_window and per_sm >= 2
+            and dispatch.plain_form(variant) and _eight_column_whole_rows(variant, head_chunks)
+            and variant.head_size >= LONG_SPLIT_MIN_HEAD_SIZE
+            and sm_number(arch) >= LONG_SPLIT_MIN_SM and longest >= LONG_SPLIT_MIN_TOKENS
+            and LONG_SPLIT_MIN_SM_FRACTION * multiprocessors <= workgroups
+            <= LONG_SPLIT_MAX_SLOT_FRACTION * slots
+            and not LONG_SPLIT_WIDE_FRACTION * multiprocessors <= workgroups <= multiprocessors):
+        return 0
+
+    def last_wave(splits: int) -> int:  # resident workgroups of the grid's last wave
+        return (workgroups * splits - 1) % slots + 1
+    # Ties go to the longer partitions: the fewer splits, listed last.
+    splits = [-(-longest // tokens) for tokens in sorted(LONG_SPLIT_TOKENS)]
+    return max(reversed(splits), key=last_wave)
 
 
 def _eight_column_whole_rows(variant, head_chunks: int) -> bool:

@@ -458,13 +458,16 @@ def test_the_dense_form_serves_grids_with_the_workgroups_for_it(
         assert plan.variant.cache == (kv_format and catalogue.FP8_E4M3_NATIVE)
 
 
+# From 16384 tokens, v48's 18 x 16384 (361.4 -> 298.8 us), fp8 20 x 16384 (219.4 -> 180.8) and
+# MHA 5 x 16384 (377.7 -> 325.1) are planned by the long split since v50
+# (test_long_sequences_below_a_wave_split_by_their_last_wave).
 @pytest.mark.parametrize("batch, heads, kv_heads, head_size, kv_format, seq_len", [
     (20, 64, 8, 128, None, 4096),        # 110.5 -> 96.2 us (v48 step 2)
-    (18, 64, 8, 128, None, 16384),       # 361.4 -> 298.8
     (22, 64, 8, 128, None, 8192),        # 204.2 -> 189.6
+    (17, 64, 8, 128, None, 8192),        # 185.8 -> 151.6
     (17, 64, 8, 128, None, 512),
-    (20, 64, 8, 128, "fp8_e4m3", 16384),  # 219.4 -> 180.8
-    (5, 32, 32, 128, None, 16384),       # MHA: 377.7 -> 325.1
+    (20, 64, 8, 128, "fp8_e4m3", 8192),
+    (5, 32, 32, 128, None, 8192),
     (20, 64, 8, 96, None, 4096),         # 87.8 -> 78.8
 ])
 def test_a_split_grid_of_one_to_one_and_a_third_waves_runs_whole(
@@ -812,6 +815,66 @@ def test_a_grid_just_over_one_wave_splits_by_its_last_wave(options, batch, seq_l
     assert plan.variant.dense == dense_kind
 
 
+@pytest.mark.parametrize("options, batch, seq_len, partition_size", [
+    # H200, whole -> the long split (v50, µs; held out from the sweep the rule was read off):
+    ({}, 19, 16384, 2048),                         # 312.6 -> 307.6 (152 workgroups)
+    ({}, 21, 16384, 4096),                         # 348.6 -> 339.2
+    ({}, 23, 16384, 4096),                         # 383.6 -> 362.6
+    ({}, 25, 16384, 2048),                         # 408.4 -> 394.4
+    ({}, 27, 16384, 2048),                         # 434.5 -> 427.4
+    ({}, 13, 32768, 2048),                         # 423.6 -> 419.9 (the wide form whole before)
+    ({}, 15, 32768, 4096),                         # 469.3 -> 466.6
+    ({}, 12, 16384, 2048),                         # 210.0 -> 199.9
+    ({}, 23, 65536, 2048),                         # 1534.3 -> 1425.9
+    ({}, 18, 16384, 2048),                         # the miss: 295.6 -> 300.9
+    (dict(dtype="bfloat16"), 23, 16384, 4096),     # 384.4 -> 361.7
+    (dict(kv_format="fp8_e4m3"), 17, 16384, 2048),  # 169.8 -> 159.9 (not the dense form)
+    (dict(kv_format="fp8_e4m3"), 20, 32768, 4096),  # 345.2 -> 329.1
+    (dict(kv_format="fp8_e4m3", head_size=96), 12, 16384, 2048),  # 99.8 -> 92.9 (cluster pair)
+    (dict(heads=64, kv_heads=64), 3, 32768, 4096),  # MHA: 771.4 -> 716.9
+    (dict(heads=64, kv_heads=16), 11, 16384, 4096),  # group 4: 366.2 -> 352.0
+    (dict(head_size=96), 19, 16384, 2048),         # 258.6 -> 238.1
+])
+def test_long_sequences_below_a_wave_split_by_their_last_wave(options, batch, seq_len,
+                                                              partition_size):
+    """Workgroups 0.7 x the multiprocessors to 0.85 x the default form's slots (264), from
+    16384 tokens: partitions of 2048 or 4096 tokens, whichever grid fills its last wave the
+    more, on the default form (neither dense nor wide)."""
+    plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
+                     residency=h200_residency)
+    assert plan.partition_size == partition_size
+    assert not (plan.variant.dense or plan.variant.wide or plan.cluster_merge)
+    workgroups = batch * shape(batch, seq_len, **options).num_kv_heads
+    fills = {size: (workgroups * (seq_len // size) - 1) % 264 + 1 for size in (2048, 4096)}
+    assert fills[partition_size] == max(fills.values())
+
+
+@pytest.mark.parametrize("options, batch, seq_len, kwargs, whole_form", [
+    ({}, 16, 16384, {}, "wide"),          # the wide form on every multiprocessor: 2.6% faster
+    ({}, 11, 16384, {}, None),            # 88 workgroups: below 0.7 of the multiprocessors
+    ({}, 30, 16384, {}, "default"),       # 240 workgroups: past 0.85 of the slots
+    ({}, 20, 8192, {}, "default"),        # 8192 tokens: whole was best
+    (dict(window=4096), 20, 32768, {}, None),       # sliding windows: not measured
+    (dict(head_size=64), 20, 16384, {}, None),      # head 64: not measured
+    (dict(head_size=256), 20, 16384, {}, None),     # the deep form: one a multiprocessor
+    (dict(heads=64, kv_heads=4), 40, 16384, {}, None),  # the 16-row kernel
+    ({}, 20, 16384, dict(arch="sm_80"), None),      # before sm_90: not measured
+    ({}, 20, 16384, dict(residency=None), None),    # residency unknown: no wave to fill
+    ({}, 20, 16384, dict(total_seq_len=20 * 16384 // 2), None),  # ragged
+])
+def test_where_long_sequences_are_not_split_by_their_last_wave(monkeypatch, options, batch,
+                                                               seq_len, kwargs, whole_form):
+    """Outside the rule's measured ground the plan is the one without the rule (here: with its
+    shortest length out of reach); where that is whole, the form is named."""
+    problem = shape(batch, seq_len, **options)
+    kwargs = dict(dict(arch="sm_90", residency=h200_residency, max_seq_len=seq_len), **kwargs)
+    plan = make_plan(problem, H200_SMS, **kwargs)
+    monkeypatch.setattr(planner, "LONG_SPLIT_MIN_TOKENS", 1 << 30)
+    assert plan == make_plan(problem, H200_SMS, **kwargs)
+    if whole_form is not None:
+        assert plan.single_partition and plan.variant.wide == (whole_form == "wide")
+
+
 @pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
                                            ("sm_90a", True), ("gfx942", False)])
 def test_reduce_is_chained_from_sm90(switch, arch, chained):
@@ -819,6 +882,66 @@ def test_reduce_is_chained_from_sm90(switch, arch, chained):
     assert dispatch.chains_reduce(arch) is chained
     switch("CUPA_CHAINED_REDUCE", "0")
     assert not dispatch.chains_reduce(arch)
+
+
+@pytest.mark.parametrize("options, batch, seq_len, chained", [
+    # H200, eager calls back to back, chained -> plain (v50 step 2, µs); grid of default slots:
+    ({}, 17, 4096, False),                  # 136 of 264: 110.4 -> 73.5
+    ({}, 20, 1024, False),                  # 160: 32.8 -> 26.5
+    ({}, 30, 4096, False),                  # 240: 123.5 -> 118.2
+    (dict(kv_format="fp8_e4m3"), 20, 8192, False),   # 115.8 -> 88.5
+    (dict(heads=64, kv_heads=4), 40, 2048, False),   # group 16, 160: 61.4 -> 48.0
+    (dict(head_size=64), 40, 4096, False),  # the dense form, 320 of 528: 114.3 -> 83.1
+    ({}, 12, 1024, True),                   # 96, under half: 18.3 -> 17.0 chained
+    (dict(heads=64, kv_heads=4), 33, 2048, True),    # 132, half: 39.0 -> 37.6
+    ({}, 32, 2048, True),                   # 256, nearly full: 68.0 -> 66.8
+    ({}, 64, 4096, True),                   # two waves: level
+    ({}, 1, 4096, True),                    # one cluster of 16: 12.5 -> 11.2
+])
+def test_phase1_is_chained_except_on_a_wave_just_over_half_full(options, batch, seq_len,
+                                                                chained):
+    problem = shape(batch, seq_len, **options)
+    plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
+                     residency=h200_residency)
+    assert plan.phase1_chained is chained
+    # Without a residency (no GPU), chained as before.
+    assert make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len).phase1_chained
+
+
+def test_phase1_chaining_counts_the_slots_of_the_form_that_runs():
+    # Head 256 holds one workgroup a multiprocessor: its 80 at 20 x 4096 are past half of its
+    # 132 slots (114.5 -> 84.7 us plain), and would be under half of two a multiprocessor's.
+    plan = make_plan(shape(20, 4096, heads=32, kv_heads=4, head_size=256), H200_SMS,
+                     arch="sm_90", max_seq_len=4096, residency=lambda v: 1)
+    assert plan.max_partitions == 1 and not plan.phase1_chained
+    assert not planner.phase1_chains(plan.variant, 80, H200_SMS, lambda v: 1)
+    assert planner.phase1_chains(plan.variant, 80, H200_SMS, lambda v: 2)
+    assert planner.phase1_chains(plan.variant, 80, H200_SMS, None)  # unknown: chained
+
+
+@pytest.mark.parametrize("plan_chained, arch, extended, cluster, form", [
+    (True, "sm_90", True, False, "dependent"),
+    (True, "sm_90", True, True, "cluster-dependent"),
+    (False, "sm_90", True, False, "plain"),       # the planner's rule (phase1_chains)
+    (False, "sm_90", True, True, "cluster"),
+    (True, "sm_80", True, False, "plain"),        # the target does not chain
+    (True, "sm_90", False, False, "plain"),       # no extended launch in the driver
+])
+def test_phase1_launch_form_follows_the_plan_and_the_target(switch, plan_chained, arch, extended,
+                                                            cluster, form):
+    from dataclasses import replace
+
+    from cupa.gpu.launch import phase1_form
+    switch("CUPA_CHAINED_PHASE1", None)
+    plan = replace(make_plan(shape(8, 4096), H200_SMS, arch="sm_90"),
+                   phase1_chained=plan_chained, cluster_merge=cluster)
+    assert phase1_form(plan, arch, extended) == form
+    switch("CUPA_CHAINED_PHASE1", "0")
+    assert phase1_form(plan, arch, extended) == ("cluster" if cluster else "plain")
+    switch("CUPA_CHAINED_PHASE1", "always")  # whatever the plan says
+    chained = extended and arch == "sm_90"
+    assert phase1_form(plan, arch, extended) == (("cluster-" if cluster else "") + "dependent"
+                                                 if chained else "cluster" if cluster else "plain")
 
 
 @pytest.mark.parametrize("arch, chained", [("sm_80", False), ("sm_89", False), ("sm_90", True),
