@@ -147,7 +147,7 @@ LONG_SPLIT_WIDE_FRACTION = 0.95
 # a back-to-back call's workgroups become resident in the free slots while the previous call
 # drains), except where its grid is one wave that fills more than UNCHAINED_FROM_SLOTS and less
 # than UNCHAINED_TO_SLOTS of the resident slots. There the free slots hold only part of the next
-# call's grid, and back to back its calls ran 3-52% slower chained than launched plainly, the
+# call's grid, and back to back its calls ran 2-52% slower chained than launched plainly, the
 # most just past half (H200, eager calls back to back, chained -> plain, docs/perf-log.md v50
 # step 2, µs): GQA 8 17 x 4096 (136 of 264 slots) 110.4 -> 73.5, 17 x 8192 217.8 -> 142.9,
 # 20 x 4096 114.7 -> 85.3, 20 x 1024 32.8 -> 26.5, 26 x 4096 119.0 -> 106.0, 30 x 4096 (240)
