@@ -477,9 +477,9 @@ def long_partition_splits(shape: DecodeShape, variant, arch: str, head_chunks: i
 
     def last_wave(splits: int) -> int:  # resident workgroups of the grid's last wave
         return (workgroups * splits - 1) % slots + 1
-    # Ties go to the longer partitions: the fewer splits, listed last.
-    splits = [-(-longest // tokens) for tokens in sorted(LONG_SPLIT_TOKENS)]
-    return max(reversed(splits), key=last_wave)
+    # Fewest splits first: max keeps the first of equals, so ties go to the longer partitions.
+    candidates = sorted(-(-longest // tokens) for tokens in LONG_SPLIT_TOKENS)
+    return max(candidates, key=last_wave)
 
 
 def _eight_column_whole_rows(variant, head_chunks: int) -> bool:
