@@ -3,7 +3,9 @@
 A planner or kernel-form experiment is an A/B within one process: both forms are planned on the
 same arrays, then timed in alternating order (A, B, then B, A, ...), so that a drift of the
 machine during the run lands on both. Timings as in `python -m cupa bench` (L2 flushed before
-each launch, by writing unless --flush read; median of --iters launches); each round's figure
+each launch, by writing unless --flush read; median of --iters launches), or with --eager as
+the bench's eager column times a user's loop (--calls calls back to back, nothing between
+them: the host's enqueue and the chaining of one call to the next count); each round's figure
 is printed, and the medians' ratio.
 The two forms' outputs are compared too (relative difference), which shows whether the forms
 computed the same chunks in the same order (0) or not.
@@ -12,6 +14,7 @@ computed the same chunks in the same order (0) or not.
     python3 tools/ab_switch.py CUPA_MERGE=cluster CUPA_MERGE=reduce --kv-format fp8_e4m3
     python3 tools/ab_switch.py CUPA_CHAINED_REDUCE=1 CUPA_CHAINED_REDUCE=0 --shapes longtail64
     python3 tools/ab_switch.py CUPA_STAGED_HEADS=never CUPA_STAGED_HEADS=auto --head-size 96
+    python3 tools/ab_switch.py --eager CUPA_CHAINED_PHASE1=always CUPA_CHAINED_PHASE1=0
 
 A shape is BxL or the name of one of the bench's ragged batches (cupa.bench.ragged), which gets
 both length hints as in the bench.
@@ -61,6 +64,17 @@ def round_orders(rounds: int) -> list:
     return [(0, 1) if r % 2 == 0 else (1, 0) for r in range(rounds)]
 
 
+EAGER_WARMUP = 10  # calls before an eager round's timed ones: the chain and the pool settle
+
+
+def make_measure(cupy, args):
+    """The timing of one round: launch -> microseconds a call (see the module docstring)."""
+    from cupa.bench.harness import Timer, eager_us
+    if args.eager:
+        return lambda launch: eager_us(cupy, launch, calls=args.calls, warmup=EAGER_WARMUP)
+    return Timer(cupy, args.iters, args.flush).median_us
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="side A: NAME=VALUE[,NAME=VALUE...]")
@@ -71,13 +85,15 @@ def main():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--flush", choices=("read", "write"), default="write",
                    help="how L2 is flushed before each timed launch (as the bench's --flush)")
+    p.add_argument("--eager", action="store_true",
+                   help="time --calls calls back to back instead (the bench's eager column)")
+    p.add_argument("--calls", type=int, default=100, help="calls of an --eager round")
     args = p.parse_args()
     sides = (parse_side(args.a), parse_side(args.b))
 
     import cupy
-    from cupa.bench.harness import Timer
     from cupa.gpu import dispatch
-    timer = Timer(cupy, args.iters, args.flush)
+    measure = make_measure(cupy, args)
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         if shape in RAGGED_BATCHES:
@@ -101,7 +117,7 @@ def main():
         for order in round_orders(args.rounds):
             for s in order:
                 plan = plans[s]
-                times[s].append(timer.median_us(
+                times[s].append(measure(
                     lambda: plan.run(query, key, value, tables, lens, **per_call)))
         a, b = (float(np.median(t)) for t in times)
         rounds = " | ".join(" ".join(f"{x:.1f}" for x in t) for t in times)
