@@ -57,16 +57,47 @@ def _device_factors(raw: bytes, device_index: int):
         return cupy.asarray(np.frombuffer(raw, dtype=np.float32))
 
 
-def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.ndarray,
-                     device_index: int):
-    """The kernels' fp8 factors on the device, float32 [2 * num_kv_heads] (K heads, then V
-    heads), or None for a plain cache. A software-widening kernel sees a code's value times
-    2^(bias - 15), so that power of two is folded in here (catalogue.fp8_value_power)."""
+def kv_scale_factors(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.ndarray):
+    """The kernels' fp8 factors, float32 [2 * num_kv_heads] (K heads, then V heads), or None
+    for a plain cache. A software-widening kernel sees a code's value times 2^(bias - 15), so
+    that power of two is folded in here (catalogue.fp8_value_power)."""
     if fmt is None:
         return None
     power = np.float32(catalogue.fp8_value_power(plan.variant, fmt.exponent_bias))
-    factors = np.concatenate([k_scale * power, v_scale * power]).astype(np.float32)
-    return _device_factors(factors.tobytes(), device_index)
+    return np.concatenate([k_scale * power, v_scale * power]).astype(np.float32)
+
+
+def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.ndarray,
+                     device_index: int):
+    """kv_scale_factors on the device (None for a plain cache)."""
+    factors = kv_scale_factors(plan, fmt, k_scale, v_scale)
+    return None if factors is None else _device_factors(factors.tobytes(), device_index)
+
+
+def partition_launch(plan: LaunchPlan, shape: DecodeShape, multiprocessors: int) -> tuple:
+    """(grid, block, scalars) of phase 1: the scalars follow the pointers of
+    PARTITION_POINTERS in CUPA_PARTITION_PARAMS (decode_common.cuh), stagger_sms being the
+    device's multiprocessors."""
+    i32, f32 = np.int32, np.float32
+    grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
+    scalars = (f32(shape.scale), f32(shape.logits_soft_cap), i32(shape.sliding_window),
+               i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
+               i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
+               i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
+               i32(plan.cluster_merge), i32(plan.all_ids_early),
+               i32(multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns))
+    return grid, (plan.variant.threads, 1, 1), scalars
+
+
+def reduce_launch(plan: LaunchPlan, shape: DecodeShape) -> tuple:
+    """(grid, block, scalars) of the reduce (CUPA_REDUCE_VARIANT's scalars, after the pointers
+    of REDUCE_POINTERS)."""
+    i32 = np.int32
+    grid = (shape.num_heads, plan.max_query_len, shape.num_seqs)
+    scalars = (i32(shape.sliding_window), i32(shape.num_tokens), i32(shape.num_heads),
+               i32(shape.head_size), i32(plan.partition_size), i32(plan.max_partitions),
+               i32(shape.capacity))
+    return grid, (plan.variant.threads, 1, 1), scalars
 
 
 def phase1_form(plan: LaunchPlan, arch: str, extended: bool) -> str:
@@ -89,15 +120,7 @@ class DecodeLaunch:
         info = device_info(device_index)
         is_hip = info.hip_runtime
         compiled = compiled_kernels(plan.variant, device_index)
-        i32, f32 = np.int32, np.float32
-        grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
-        scalars = (f32(shape.scale), f32(shape.logits_soft_cap), i32(shape.sliding_window),
-                   i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
-                   i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
-                   i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
-                   i32(plan.cluster_merge), i32(plan.all_ids_early),
-                   i32(info.multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns))
-        block = (plan.variant.threads, 1, 1)  # both kernels of the variant's module
+        grid, block, scalars = partition_launch(plan, shape, info.multiprocessors)
         self.empty = shape.num_seqs == 0
         self.workspace_bytes, self._max_offset, self._sum_offset = workspace_bytes(plan, shape)
         # Chained launches (sm_90): the reduce starts during phase 1's last wave, and phase 1
@@ -113,13 +136,10 @@ class DecodeLaunch:
             cluster=(1, plan.max_partitions, 1) if plan.cluster_merge else None)
         self.reduce = None
         if plan.reduce_launch:
+            reduce_grid, reduce_block, reduce_scalars = reduce_launch(plan, shape)
             self.reduce = PreparedLaunch(
-                compiled[plan.variant.reduce_name],
-                (shape.num_heads, plan.max_query_len, shape.num_seqs), block,
-                pointers=len(REDUCE_POINTERS), is_hip=is_hip,
-                scalars=(i32(shape.sliding_window), i32(shape.num_tokens), i32(shape.num_heads),
-                         i32(shape.head_size), i32(plan.partition_size),
-                         i32(plan.max_partitions), i32(shape.capacity)),
+                compiled[plan.variant.reduce_name], reduce_grid, reduce_block,
+                pointers=len(REDUCE_POINTERS), is_hip=is_hip, scalars=reduce_scalars,
                 form="dependent" if chained else "plain")
 
     def new_workspace(self):

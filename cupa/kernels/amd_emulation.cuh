@@ -220,7 +220,7 @@ struct amd_f32x4 { float r[4]; };
 struct amd_f32x8 { float r[8]; };
 
 // ---------------------------------------------------------------------------------------------
-// The emulation (NVRTC only)
+// The emulation (NVRTC, or the host compiler for CUPA_CPU)
 #if CUPA_EMULATE_AMD
 
 namespace cupa_emu {
@@ -246,9 +246,12 @@ CUPA_AMD_FN int lane() { return thread_rank() % CUPA_WARP; }
 CUPA_AMD_FN unsigned int* wave_scratch() { return scratch[thread_rank() / CUPA_WARP]; }
 
 // Wavefront barrier with memory ordering among its lanes. wave64: named barrier 1 + wave index
-// over its 64 threads, so the other wavefronts run on; wave32 is one NVIDIA warp.
+// over its 64 threads, so the other wavefronts run on; wave32 is one NVIDIA warp. The CPU build
+// (CUPA_CPU) meets its wavefront's coroutines at its scheduler's barrier instead.
 CUPA_AMD_FN void wave_sync() {
-#if CUPA_WARP == 64
+#if CUPA_CPU
+    cupa_cpu_sync_group(CUPA_WARP);
+#elif CUPA_WARP == 64
     asm volatile("bar.sync %0, 64;" ::"r"(1 + thread_rank() / 64) : "memory");
 #else
     __syncwarp();
@@ -300,6 +303,9 @@ CUPA_AMD_FN unsigned int shfl_bits(unsigned int v, int src_lane) {
 #define CUPA_EMU_MMA_FLUSHES (CUPA_EMULATE_GFX == 0x90a)
 
 CUPA_AMD_FN float mma_step(float a, float b, float acc) {
+#if CUPA_CPU
+    return cupa_cpu_fma(a, b, acc, CUPA_EMU_MMA_FLUSHES);
+#else
     float r;
 #if CUPA_EMU_MMA_FLUSHES
     asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(acc));
@@ -307,6 +313,7 @@ CUPA_AMD_FN float mma_step(float a, float b, float acc) {
     asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(acc));
 #endif
     return r;
+#endif  // CUPA_CPU
 }
 
 // Element decoding, exact. The matrix cores' inputs are f16, bf16 or e4m3 (two encodings).
@@ -317,9 +324,13 @@ CUPA_AMD_FN float decode(unsigned int code) {
     if (FMT == F16) {
         // f16 subnormals are float32 normals, so ftz alone would keep them: flush them here.
         if (CUPA_EMU_MMA_FLUSHES && (code & 0x7c00u) == 0u) return (code & 0x8000u) ? -0.0f : 0.0f;
+#if CUPA_CPU
+        return (float)__builtin_bit_cast(_Float16, (unsigned short)code);
+#else
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)code));
         return f;
+#endif
     } else if (FMT == BF16) {
         return __uint_as_float(code << 16);
     } else {

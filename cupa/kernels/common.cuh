@@ -12,6 +12,11 @@
 //   CUPA_THREADS  threads per workgroup of the decode kernels: 128, or 256 in the tensor-core
 //                 kernels' wide forms (defined at the top of a variant's module source).
 //   CUPA_EMULATE_AMD, CUPA_EMULATE_GFX  (optional) the emulated AMD build: see amd_emulation.cuh.
+//   CUPA_CPU      (optional, tests only) a build for the host CPU by its C++ compiler, whose
+//                 threads run as coroutines (tests/helpers/cuda_on_cpu.py, which supplies the
+//                 CUDA names this needs and the barriers of amd_emulation.cuh). Arithmetic takes
+//                 the HIP branches below (host C++ has _Float16 and the bit casts); the warp
+//                 operations the NVIDIA or emulated ones.
 #pragma once
 
 #ifndef CUPA_WARP
@@ -22,6 +27,12 @@
 #endif
 #ifndef CUPA_THREADS
 #error "CUPA_THREADS must be defined by the host"
+#endif
+#ifndef CUPA_CPU
+#define CUPA_CPU 0
+#endif
+#if CUPA_CPU && CUPA_HIP
+#error "CUPA_CPU builds the NVIDIA or emulated AMD source for the host: it needs CUPA_HIP=0"
 #endif
 // The emulated AMD build (tests only): an AMD target's wavefront and matrix instructions run on
 // NVIDIA, all of it inside amd_emulation.cuh; the kernels below do not know.
@@ -58,7 +69,7 @@ struct alignas(16) cupa_u32x4 { u32 x, y, z, w; };
 struct alignas(8) cupa_u32x2 { u32 x, y; };
 
 CUPA_FN float bits_to_float(u32 u) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return __builtin_bit_cast(float, u);
 #else
     return __uint_as_float(u);
@@ -66,7 +77,7 @@ CUPA_FN float bits_to_float(u32 u) {
 }
 
 CUPA_FN u32 float_to_bits(float f) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return __builtin_bit_cast(u32, f);
 #else
     return __float_as_uint(f);
@@ -76,7 +87,7 @@ CUPA_FN u32 float_to_bits(float f) {
 CUPA_FN float neg_inf() { return bits_to_float(0xff800000u); }
 
 CUPA_FN float half_bits_to_float(u16 h) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return (float)__builtin_bit_cast(_Float16, h);
 #else
     float f;
@@ -86,7 +97,7 @@ CUPA_FN float half_bits_to_float(u16 h) {
 }
 
 CUPA_FN u16 float_to_half_bits(float f) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return __builtin_bit_cast(u16, (_Float16)f);
 #else
     u16 h;
@@ -108,7 +119,7 @@ CUPA_FN u16 float_to_bf16_bits(float f) {
 // 2^x and log2(x) in hardware: the kernels keep logits in the log2 domain (pre-multiplied by
 // log2(e)) so the softmax needs one native instruction per element.
 CUPA_FN float fast_exp2(float x) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return __builtin_exp2f(x);
 #else
     float y;
@@ -118,7 +129,7 @@ CUPA_FN float fast_exp2(float x) {
 }
 
 CUPA_FN float fast_log2(float x) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return __builtin_log2f(x);
 #else
     float y;
@@ -130,7 +141,7 @@ CUPA_FN float fast_log2(float x) {
 // a / b where a couple of ulp are fine (the soft-cap's tanh): NVIDIA's approximate division
 // instead of the IEEE one's slow-path check.
 CUPA_FN float fast_div(float a, float b) {
-#if CUPA_HIP
+#if CUPA_HIP || CUPA_CPU
     return a / b;
 #else
     return __fdividef(a, b);

@@ -1,0 +1,117 @@
+"""cupa's decode kernels for AMD targets, run on the CPU (tests/helpers/decode_on_cpu.py): the
+emulated AMD build of each target (gfx90a and gfx942 wave64 MFMA, gfx1100 and gfx1201 wave32
+WMMA, and the portable kernel where the matrix cores do not serve) compiled by the host's C++
+compiler and run with its threads as coroutines, planned and launched with cupa's own planner
+and arguments, against the float64 reference.
+
+This runs the AMD kernels' code paths in CI, where no GPU is; the GPU's own arithmetic, timing
+and memory ordering are the emulated GPU suite's and `python -m cupa selftest`'s to show.
+Problems are fresh random ones with NaN (or the largest fp8 codes) in every slot no sequence
+owns, the outputs start as NaN, and lengths 0, 1, one block and several partitions are mixed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
+from cupa.reference import paged_decode_reference
+
+from cases import FP8_REL_BOUND, REL_BOUND, make_case, quantized_case, rel_error
+from decode_on_cpu import compiler_missing, decode_on_cpu
+
+pytestmark = pytest.mark.skipif(compiler_missing() is not None,
+                                reason=compiler_missing() or "")
+
+TARGETS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
+LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
+
+
+def check(result, case, bound, reference_caches=None):
+    """The CPU run against the reference: ||out - ref|| / ||ref|| within `bound`, the
+    log-sum-exp likewise (-inf exactly where the reference has it: empty rows without sinks),
+    and every output written."""
+    key_cache, value_cache = reference_caches or (case.key_cache, case.value_cache)
+    ref, ref_lse = paged_decode_reference(case.query, key_cache, value_cache,
+                                          case.block_tables, case.seq_lens, **case.options())
+    assert np.isfinite(result.out.astype(np.float32)).all()
+    assert rel_error(result.out, ref) < bound
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(result.lse), finite)
+    assert rel_error(result.lse[finite], ref_lse[finite]) < bound
+    assert (result.lse[~finite] == -np.inf).all()
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("partition_size", [None, 64])
+def test_matrix_kernel_gqa8(rng, arch, dtype, partition_size):
+    """GQA 8, head 128: the planner's plan (two partitions at 300 tokens, merged by the
+    reduce) and 64-token partitions (five)."""
+    case = make_case(rng, dtype=dtype, num_kv_heads=2, group=8, seq_lens=LENGTHS)
+    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=partition_size)
+    assert isinstance(result.plan.variant, DecodeMatrixVariant)
+    assert result.plan.reduce_launch
+    check(result, case, REL_BOUND[dtype])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("head_size, group", [(64, 4), (256, 8), (128, 1)])
+def test_matrix_kernel_head_sizes_and_groups(rng, arch, head_size, group):
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
+    result = decode_on_cpu(arch, *case.args(), **case.options())
+    assert isinstance(result.plan.variant, DecodeMatrixVariant)
+    check(result, case, REL_BOUND["float16"])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_matrix_kernel_two_row_tiles(rng, arch):
+    """Three new tokens of group 8 (24 query rows) and group 32 with one: more rows than one
+    16-row tile."""
+    for group, new_tokens in ((8, 3), (32, None)):
+        case = make_case(rng, num_kv_heads=1, group=group, seq_lens=(5, 37, 300),
+                         new_tokens=new_tokens)
+        result = decode_on_cpu(arch, *case.args(), **case.options())
+        assert isinstance(result.plan.variant, DecodeMatrixVariant)
+        check(result, case, REL_BOUND["float16"])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_matrix_kernel_options(rng, arch):
+    """A sliding window, ALiBi, a soft cap and attention sinks together, shared blocks."""
+    case = make_case(rng, num_kv_heads=2, group=4, seq_lens=(1, 37, 300), alibi=True,
+                     sliding_window=70, logits_soft_cap=20.0, sinks=True)
+    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
+    assert isinstance(result.plan.variant, DecodeMatrixVariant)
+    check(result, case, REL_BOUND["float16"])
+
+
+# The fp8 formats each target reads: e4m3fnuz by gfx942's own conversion, OCP e4m3 by gfx1201's;
+# the others widen in software.
+FP8_CASES = [("gfx90a", "fp8_e4m3"), ("gfx942", "fp8_e4m3fnuz"), ("gfx942", "fp8_e4m3"),
+             ("gfx1100", "fp8_e4m3fnuz"), ("gfx1201", "fp8_e4m3")]
+
+
+@pytest.mark.parametrize("arch, fmt", FP8_CASES)
+def test_matrix_kernel_fp8_cache(rng, arch, fmt):
+    case = make_case(rng, num_kv_heads=2, group=8, seq_lens=LENGTHS)
+    (key_codes, value_codes), dequantized, (k_scale, v_scale) = quantized_case(case, fmt, rng)
+    result = decode_on_cpu(arch, case.query, key_codes, value_codes, case.block_tables,
+                           case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
+                           v_scale=v_scale)
+    assert isinstance(result.plan.variant, DecodeMatrixVariant)
+    check(result, case, FP8_REL_BOUND, reference_caches=dequantized)
+
+
+@pytest.mark.parametrize("arch, dtype, head_size", [
+    ("gfx942", "float16", 96), ("gfx1100", "float16", 80), ("gfx90a", "float32", 128),
+    ("gfx1201", "bfloat16", 192)])
+def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size):
+    """What the matrix cores do not serve runs the portable kernel, at the target's wavefront
+    size (64 or 32)."""
+    case = make_case(rng, dtype=dtype, head_size=head_size, num_kv_heads=2, group=4,
+                     seq_lens=LENGTHS)
+    result = decode_on_cpu(arch, *case.args(), **case.options())
+    assert isinstance(result.plan.variant, DecodeVariant)
+    check(result, case, REL_BOUND[dtype])
