@@ -376,13 +376,16 @@ def all_mma_variants() -> list[DecodeMmaVariant]:
 MATRIX_CORE_ARCHS = {"mfma": ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950"),
                      "wmma": ("gfx11", "gfx12")}  # wmma: prefixes of every RDNA3 / RDNA4 part
 MATRIX_DTYPES = ("float16", "bfloat16")
-MATRIX_HEAD_SIZES = (64, 128, 256)
+MATRIX_HEAD_SIZES = SUPPORTED_HEAD_SIZES  # 80 and 112 with V^T padded to whole tile pairs
 # Row tiles (16 query rows each) per workgroup: one up to 16 rows, two above (chunks of 32),
-# except where two tiles do not fit a lane's 256 VGPRs (clang-19's code objects: head 256
-# everywhere; RDNA3 at head 128, whose replicated operands spill 36-284 bytes a lane at two
-# tiles and none at one; RDNA3 still spills at head 256, docs/performance.md).
+# except where two tiles do not fit a lane's 256 VGPRs (clang-19's code objects: heads 192 and
+# 256 everywhere, CDNA's two tiles taking 272-280 VGPRs at 192; RDNA4 at head 112, 200-264
+# bytes of spills a lane at two tiles; RDNA3 at heads 80, 112 and 128, whose replicated
+# operands spill 36-704 bytes at two tiles; RDNA3 still spills at one tile at heads 112
+# (140-208 bytes) and 256, and 32 bytes at 192; docs/performance.md).
 MATRIX_TILES = (1, 2)
-ONE_TILE_HEAD_SIZES = {"cdna": (256,), "rdna4": (256,), "rdna3": (128, 256)}
+ONE_TILE_HEAD_SIZES = {"cdna": (192, 256), "rdna4": (112, 192, 256),
+                       "rdna3": (80, 112, 128, 192, 256)}
 
 
 def matrix_core_family(arch: str) -> str | None:
@@ -412,7 +415,7 @@ def matrix_tiles(rows: int, head_size: int, arch: str) -> int:
 @dataclass(frozen=True)
 class DecodeMatrixVariant(_TwoPhase):
     """Phase 1 on AMD matrix cores (decode_matrix.cu: MFMA on CDNA, WMMA on RDNA3/RDNA4, the
-    instruction picked by the compile target), fp16/bf16 queries, head sizes 64/128/256, a
+    instruction picked by the compile target), fp16/bf16 queries, every head size, a
     cache of the query type or fp8 codes. tiles: 16-row tiles of query rows per workgroup."""
 
     dtype: str

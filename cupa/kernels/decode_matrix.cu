@@ -1,7 +1,8 @@
 // Phase 1 of paged decode on AMD matrix cores: MFMA (CDNA) or WMMA (RDNA3, RDNA4) 16x16x16
 // instructions, fp16/bf16 queries, a cache of the query type or fp8 codes (widened to the
 // query type in registers: by v_cvt_pk_f32_fp8 where the target reads the cache's format,
-// in software otherwise), head sizes 64, 128 and 256. Phase 2 is decode_common.cuh's reduce.
+// in software otherwise), head sizes 64, 80, 96, 112, 128, 192 and 256. Phase 2 is
+// decode_common.cuh's reduce.
 //
 // One workgroup per (row chunk of a KV head, partition, sequence), as every family
 // (begin_partition): TILES 16-row tiles of query rows (GQA heads x new tokens). Each wavefront
@@ -19,7 +20,9 @@
 //       contiguous run of its token's K row, and of its query row (staged in LDS).
 //   PV: element e in k-group g is tile token g * ELEMS + e, the token S^T's accumulators hold
 //       in that lane (fact 3), so P^T needs no LDS. Row i of V^T's chunk c is V's column
-//       d = i * CHUNKS + c, so a lane reads a contiguous run of each of its tokens' V rows.
+//       d = i * V_CHUNKS + c, so a lane reads a contiguous run of each of its tokens' V rows.
+//       V_CHUNKS is D / 16 made even (80 and 112 have 5 and 7 chunks): the columns past D are
+//       read as zeros and their rows of O^T never written.
 // Tokens past seq_len or in blocks outside [0, num_blocks) are never read: their K and V
 // operands are zero and their logits -inf, so garbage in unwritten slots cannot reach the
 // output.
@@ -28,11 +31,17 @@
 
 namespace cupa {
 
-// N consecutive elements of type C (4, 8, 16 or 32 bytes) as words; zeros where `src` is null.
+// N consecutive elements of type C (4, 8, 16 or 32 bytes, or a pair of fp8 codes: the low
+// half of one word) as words; zeros where `src` is null.
 template <typename C, int N>
 CUPA_FN void load_run(const C* src, u32* words) {
     constexpr int BYTES = N * (int)sizeof(C), WORDS = BYTES / 4;
-    static_assert(BYTES % 4 == 0 && (BYTES <= 8 || BYTES % 16 == 0), "a run of 4, 8 or 16k bytes");
+    if constexpr (BYTES == 2) {  // V runs of fp8 codes at heads 80 and 96
+        words[0] = src == nullptr ? 0u : (u32)*reinterpret_cast<const u16*>(src);
+        return;
+    }
+    static_assert(BYTES == 2 || (BYTES % 4 == 0 && (BYTES <= 8 || BYTES % 16 == 0)),
+                  "a run of 2, 4, 8 or 16k bytes");
     if (src == nullptr) {
 #pragma unroll
         for (int i = 0; i < WORDS; ++i) words[i] = 0u;
@@ -108,16 +117,27 @@ struct MatrixPartition {
     typedef typename G::AB AB;
     typedef typename G::Acc Acc;
     static constexpr int WAVES = CUPA_THREADS / CUPA_WARP;
-    // PV reads V in groups of chunks, each token's run of a group in one load of at least 4
-    // bytes, with at most 32 operand words of V per lane at a time: registers are what RDNA3's
-    // replicated operands run short of (8 VGPRs per fragment).
+    // O^T's 16-row tiles of d: D / 16, made even so that V runs are whole 16-bit pairs.
+    static constexpr int V_CHUNKS = (G::CHUNKS + 1) / 2 * 2;
+    // PV reads V in groups of chunks, each token's run of a group in one load, with at most 32
+    // operand words of V per lane at a time: registers are what RDNA3's replicated operands
+    // run short of (8 VGPRs per fragment). The group is the largest that divides V_CHUNKS and
+    // loads as 4, 8 or 16k bytes (2 for fp8 codes where nothing larger divides: heads 80, 96).
     static constexpr int V_GROUP_WANTED = cmax(32 / G::REGS, 4 / (int)sizeof(C));
-    static constexpr int V_GROUP = cmin(G::CHUNKS, V_GROUP_WANTED);
-    static_assert(G::CHUNKS % V_GROUP == 0, "whole groups of chunks");
+    static constexpr int v_group() {
+        for (int g = cmin(V_CHUNKS, V_GROUP_WANTED); g >= 2; g -= 2) {
+            const int bytes = g * (int)sizeof(C);
+            if (V_CHUNKS % g == 0 && (bytes == 2 || bytes == 4 || bytes == 8 || bytes % 16 == 0))
+                return g;
+        }
+        return 0;
+    }
+    static constexpr int V_GROUP = v_group();
+    static_assert(V_GROUP > 0 && D % V_GROUP == 0, "V runs wholly inside or past the row");
     // LDS words: the query fragments during the loop ([tile][chunk][register][lane]), then
     // the merge slots of half the wavefronts ([accumulator][lane], then max and sum by lane).
     static constexpr int Q_WORDS = TILES * G::CHUNKS * G::REGS * CUPA_WARP;
-    static constexpr int SLOT_WORDS = (G::CHUNKS * G::ACC + 2) * CUPA_WARP;
+    static constexpr int SLOT_WORDS = (V_CHUNKS * G::ACC + 2) * CUPA_WARP;
     static constexpr int MERGE_WORDS = (WAVES / 2) * SLOT_WORDS;
     static constexpr int LDS_WORDS = Q_WORDS > MERGE_WORDS ? Q_WORDS : MERGE_WORDS;
 };
@@ -131,7 +151,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename P::Core Core;
     typedef typename G::L L;
     constexpr int CHUNKS = G::CHUNKS, ELEMS = G::ELEMS, REGS = G::REGS, ACC = G::ACC;
-    constexpr int WAVES = P::WAVES, V_GROUP = P::V_GROUP;
+    constexpr int WAVES = P::WAVES, V_GROUP = P::V_GROUP, V_CHUNKS = P::V_CHUNKS;
     G::check();
     static_assert(sizeof(T) == 2 && (sizeof(C) == 2 || sizeof(C) == 1), "16-bit or fp8 cache");
     static_assert(P::V_GROUP % 2 == 0, "V runs of whole 16-bit pairs");
@@ -163,7 +183,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     // This lane's query row of each tile: causal range, ALiBi slope, running max and sum.
     int first[TILES], pos[TILES];
     float slope[TILES], m_run[TILES], l_run[TILES];
-    Acc o[TILES][CHUNKS];
+    Acc o[TILES][V_CHUNKS];
 #pragma unroll
     for (int tile = 0; tile < TILES; ++tile) {
         const int r = 16 * tile + col;
@@ -175,7 +195,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         m_run[tile] = neg_inf();
         l_run[tile] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
+        for (int c = 0; c < V_CHUNKS; ++c)
 #pragma unroll
             for (int a = 0; a < ACC; ++a) o[tile][c].r[a] = 0.0f;
     }
@@ -249,7 +269,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             l_run[tile] = l_run[tile] * keep + sum;  // this lane's share; summed at the end
             m_run[tile] = m_new;
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c)
+            for (int c = 0; c < V_CHUNKS; ++c)
 #pragma unroll
                 for (int a = 0; a < ACC; ++a) o[tile][c].r[a] *= keep;
             if constexpr (G::in_place()) {
@@ -267,15 +287,17 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         }
 
         // O^T += V^T P^T, V read in groups of V_GROUP chunks: a run of V_GROUP elements of each
-        // token's row at column col * CHUNKS + c0.
+        // token's row at column col * V_CHUNKS + c0 (zeros past the row: heads 80 and 112).
 #pragma unroll
-        for (int c0 = 0; c0 < CHUNKS; c0 += V_GROUP) {
+        for (int c0 = 0; c0 < V_CHUNKS; c0 += V_GROUP) {
             u32 wide[ELEMS][V_GROUP / 2];  // each token's run, as 16-bit pairs
 #pragma unroll
             for (int e = 0; e < ELEMS; ++e) {
-                const i64 row = (readable >> e) & 1u ? rows.row(pv_t0 + e) : -1;
-                u32 raw[V_GROUP * sizeof(C) / 4];
-                load_run<C, V_GROUP>(row >= 0 ? value_cache + row + col * CHUNKS + c0 : nullptr,
+                i64 row = (readable >> e) & 1u ? rows.row(pv_t0 + e) : -1;
+                if constexpr (V_CHUNKS * 16 != D)  // heads 80, 112: no columns past the row
+                    row = col * V_CHUNKS + c0 < D ? row : -1;
+                u32 raw[(V_GROUP * sizeof(C) + 3) / 4];
+                load_run<C, V_GROUP>(row >= 0 ? value_cache + row + col * V_CHUNKS + c0 : nullptr,
                                      raw);
                 Widen<T, C, V_GROUP>::run(raw, wide[e]);
             }
@@ -308,22 +330,22 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             if (wave >= half && wave < 2 * half) {
                 float* slot = slots + (wave - half) * P::SLOT_WORDS;
 #pragma unroll
-                for (int c = 0; c < CHUNKS; ++c)
+                for (int c = 0; c < V_CHUNKS; ++c)
 #pragma unroll
                     for (int a = 0; a < ACC; ++a) slot[(c * ACC + a) * CUPA_WARP + lane] = o[tile][c].r[a];
-                slot[CHUNKS * ACC * CUPA_WARP + lane] = m_run[tile];
-                slot[(CHUNKS * ACC + 1) * CUPA_WARP + lane] = l_run[tile];
+                slot[V_CHUNKS * ACC * CUPA_WARP + lane] = m_run[tile];
+                slot[(V_CHUNKS * ACC + 1) * CUPA_WARP + lane] = l_run[tile];
             }
             __syncthreads();
             if (wave < half) {
                 const float* slot = slots + wave * P::SLOT_WORDS;
-                const float m_other = slot[CHUNKS * ACC * CUPA_WARP + lane];
-                const float l_other = slot[(CHUNKS * ACC + 1) * CUPA_WARP + lane];
+                const float m_other = slot[V_CHUNKS * ACC * CUPA_WARP + lane];
+                const float l_other = slot[(V_CHUNKS * ACC + 1) * CUPA_WARP + lane];
                 const float m_new = max_f(m_run[tile], m_other);
                 const float keep = fast_exp2(m_run[tile] - subtrahend(m_new));
                 const float take = fast_exp2(m_other - subtrahend(m_new));
 #pragma unroll
-                for (int c = 0; c < CHUNKS; ++c)
+                for (int c = 0; c < V_CHUNKS; ++c)
 #pragma unroll
                     for (int a = 0; a < ACC; ++a)
                         o[tile][c].r[a] = o[tile][c].r[a] * keep +
@@ -337,7 +359,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     if (wave != 0) return;
 
     // Wavefront 0 writes: O^T's accumulator a of chunk c is row col's column
-    // d_row(lane, a) * CHUNKS + c.
+    // d_row(lane, a) * V_CHUNKS + c (none past D).
     const float v_scale = v_factor(kv_scales, w.kv_head, num_kv_heads);
     const bool single = w.writes_output;
 #pragma unroll
@@ -350,9 +372,12 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                                           lse_value);
 #pragma unroll
         for (int a = 0; a < ACC; ++a) {
-            const int d0 = L::d_row(lane, a) * CHUNKS;
+            const int d0 = L::d_row(lane, a) * V_CHUNKS;
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
+            for (int c = 0; c < V_CHUNKS; ++c) {
+                if constexpr (V_CHUNKS * 16 != D) {
+                    if (d0 + c >= D) continue;  // a padded column (heads 80, 112)
+                }
                 const float value = o[tile][c].r[a] * factor;
                 if (single)
                     Elem<T>::store(out + head * D + d0 + c, value);

@@ -18,7 +18,7 @@ import pytest
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 from cupa.reference import paged_decode_reference
 
-from cases import FP8_REL_BOUND, REL_BOUND, make_case, quantized_case, rel_error
+from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
 from decode_on_cpu import compiler_missing, decode_on_cpu
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
@@ -57,8 +57,11 @@ def test_matrix_kernel_gqa8(rng, arch, dtype, partition_size):
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("head_size, group", [(64, 4), (256, 8), (128, 1)])
+@pytest.mark.parametrize("head_size, group", [(64, 4), (80, 8), (96, 8), (112, 4), (192, 8),
+                                              (256, 8), (128, 1)])
 def test_matrix_kernel_head_sizes_and_groups(rng, arch, head_size, group):
+    """Every head size the matrix cores serve. 80 and 112 have an odd count of 16-column
+    tiles: their V^T is padded to an even count, the columns past the row read as zeros."""
     case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
     result = decode_on_cpu(arch, *case.args(), **case.options())
     assert isinstance(result.plan.variant, DecodeMatrixVariant)
@@ -88,14 +91,17 @@ def test_matrix_kernel_options(rng, arch):
 
 
 # The fp8 formats each target reads: e4m3fnuz by gfx942's own conversion, OCP e4m3 by gfx1201's;
-# the others widen in software.
-FP8_CASES = [("gfx90a", "fp8_e4m3"), ("gfx942", "fp8_e4m3fnuz"), ("gfx942", "fp8_e4m3"),
-             ("gfx1100", "fp8_e4m3fnuz"), ("gfx1201", "fp8_e4m3")]
+# the others widen in software. Heads 80 and 96 read V in pairs of codes (2-byte loads).
+FP8_CASES = [("gfx90a", "fp8_e4m3", 128), ("gfx942", "fp8_e4m3fnuz", 128),
+             ("gfx942", "fp8_e4m3", 64), ("gfx1100", "fp8_e4m3fnuz", 256),
+             ("gfx1201", "fp8_e4m3", 128), ("gfx942", "fp8_e4m3fnuz", 96),
+             ("gfx1100", "fp8_e4m3", 80), ("gfx1201", "fp8_e4m3", 112),
+             ("gfx90a", "fp8_e4m3fnuz", 192)]
 
 
-@pytest.mark.parametrize("arch, fmt", FP8_CASES)
-def test_matrix_kernel_fp8_cache(rng, arch, fmt):
-    case = make_case(rng, num_kv_heads=2, group=8, seq_lens=LENGTHS)
+@pytest.mark.parametrize("arch, fmt, head_size", FP8_CASES)
+def test_matrix_kernel_fp8_cache(rng, arch, fmt, head_size):
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=8, seq_lens=LENGTHS)
     (key_codes, value_codes), dequantized, (k_scale, v_scale) = quantized_case(case, fmt, rng)
     result = decode_on_cpu(arch, case.query, key_codes, value_codes, case.block_tables,
                            case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
@@ -104,14 +110,15 @@ def test_matrix_kernel_fp8_cache(rng, arch, fmt):
     check(result, case, FP8_REL_BOUND, reference_caches=dequantized)
 
 
-@pytest.mark.parametrize("arch, dtype, head_size", [
-    ("gfx942", "float16", 96), ("gfx1100", "float16", 80), ("gfx90a", "float32", 128),
-    ("gfx1201", "bfloat16", 192)])
-def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size):
-    """What the matrix cores do not serve runs the portable kernel, at the target's wavefront
-    size (64 or 32)."""
+@pytest.mark.parametrize("arch, dtype, head_size, kernel", [
+    ("gfx90a", "float32", 128, "auto"), ("gfx1201", "float32", 80, "auto"),
+    ("gfx942", "float16", 96, "portable"), ("gfx1100", "bfloat16", 192, "portable")])
+def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size, kernel):
+    """What the matrix cores do not serve (float32 queries), or CUPA_KERNEL=portable, runs
+    the portable kernel, at the target's wavefront size (64 or 32)."""
     case = make_case(rng, dtype=dtype, head_size=head_size, num_kv_heads=2, group=4,
                      seq_lens=LENGTHS)
-    result = decode_on_cpu(arch, *case.args(), **case.options())
+    with environ(CUPA_KERNEL=kernel):
+        result = decode_on_cpu(arch, *case.args(), **case.options())
     assert isinstance(result.plan.variant, DecodeVariant)
     check(result, case, REL_BOUND[dtype])

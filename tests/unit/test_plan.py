@@ -37,7 +37,10 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("float16", 128, 8, "gfx1030", "cupa_decode_f16_d128_h8"),    # RDNA2: no WMMA, portable
     ("float16", 128, 8, "gfx908", "cupa_decode_f16_d128_h8"),     # MI100: portable
     ("float32", 128, 8, "gfx942", "cupa_decode_f32_d128_h8"),     # fp32: portable
-    ("float16", 96, 4, "gfx942", "cupa_decode_f16_d96_h4"),       # head 96: portable
+    ("float16", 96, 4, "gfx942", "cupa_decode_xmma1_f16_d96"),    # head 96: matrix cores too
+    ("float16", 112, 32, "gfx1201", "cupa_decode_xmma1_f16_d112"),  # RDNA4: one at head 112
+    ("bfloat16", 80, 32, "gfx942", "cupa_decode_xmma2_bf16_d80"),
+    ("float16", 192, 32, "gfx90a", "cupa_decode_xmma1_f16_d192"),  # head 192: one tile
     ("float32", 128, 8, "sm_90", "cupa_decode_f32_d128_h8"),      # fp32: portable kernel
     ("float32", 96, 3, "sm_90", "cupa_decode_f32_d96_h4"),        # fp32 head 96: tile 4
     ("bfloat16", 256, 12, "sm_90", "cupa_decode_mma16_bf16_d256_deep"),  # query in shared
@@ -73,7 +76,6 @@ def test_more_rows_than_eight_fall_back_to_row_chunks_where_the_16_row_kernel_do
     ("bfloat16", 96, 4, "sm_90", "fp8_e4m3", "cupa_decode_mma8_bf16kv8fn_d96"),
     ("float16", 192, 8, "sm_80", "fp8_e4m3", "cupa_decode_mma8_f16kv8_d192"),
     ("float16", 96, 4, "sm_75", None, "cupa_decode_f16_d96_h4"),       # below sm_80: portable
-    ("float16", 96, 4, "gfx942", None, "cupa_decode_f16_d96_h4"),      # AMD: portable
 ])
 def test_staged_head_sizes_on_the_tensor_cores(switch, dtype, head_size, rows, arch, fmt,
                                                expected):
