@@ -12,6 +12,8 @@ owns, the outputs start as NaN, and lengths 0, 1, one block and several partitio
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from cupa.reference import paged_decode_reference
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
 from decode_on_cpu import compiler_missing, decode_on_cpu
+from fuzz_draws import compare, draw, problem
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
@@ -122,3 +125,29 @@ def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size, kernel):
         result = decode_on_cpu(arch, *case.args(), **case.options())
     assert isinstance(result.plan.variant, DecodeVariant)
     check(result, case, REL_BOUND[dtype])
+
+
+FUZZ_DRAWS = 24  # about a minute on CI's two cores, the builds included
+
+
+def test_fuzz_on_amd_targets():
+    """The GPU fuzz's random configurations (tests/helpers/fuzz_draws.py: dtypes, fp8 formats,
+    head sizes, GQA ratios, block sizes 8 to 32, features, new tokens, lengths at block and
+    partition edges, partition sizes, the portable kernel forced now and then) at a random AMD
+    target each. A fresh seed a run, printed; CUPA_FUZZ_SEED=<seed> replays one."""
+    seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
+        np.random.SeedSequence().entropy % 2**31)
+    print(f"CUPA_FUZZ_SEED={seed}")
+    rng = np.random.default_rng(seed)
+    failures = []
+    for _ in range(FUZZ_DRAWS):
+        d, arch = draw(rng), str(rng.choice(TARGETS))
+        p = problem(d)
+        with environ(CUPA_KERNEL=d.kernel):
+            result = decode_on_cpu(arch, *p.args, **p.options, **p.fp8,
+                                   partition_size=d.partition_size)
+        found = compare(p, result.out, result.lse)
+        if found is not None:
+            failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
+    assert not failures, (f"{len(failures)} of {FUZZ_DRAWS} configurations failed (seed {seed})"
+                          ":\n" + "\n".join(failures))
