@@ -48,6 +48,7 @@ Usage:
     python3 tools/amd_isa_counts.py --targets gfx90a,gfx942,gfx1100,gfx1201 --json out.json
     python3 tools/amd_isa_counts.py --model            # adds the predicted bandwidth fractions
     python3 tools/amd_isa_counts.py --explain matrix-f16 --targets gfx942   # the counted path
+    python3 tools/amd_isa_counts.py --model --head-size 96   # the variants at head 96
 docs/performance.md ("AMD: predicted, not measured") explains the model and its sources.
 """
 
@@ -58,7 +59,7 @@ import json
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -686,6 +687,13 @@ def model_table(results: list[LoopCounts]) -> str:
     return "\n".join(lines)
 
 
+def variants_at(head_size: int | None) -> dict:
+    """DEFAULT_VARIANTS, at another head size where one is given (same names)."""
+    if head_size is None:
+        return DEFAULT_VARIANTS
+    return {name: replace(v, head_size=head_size) for name, v in DEFAULT_VARIANTS.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
@@ -695,12 +703,15 @@ def main(argv=None) -> int:
     parser.add_argument("--model", action="store_true", help="print the predicted fractions")
     parser.add_argument("--explain", metavar="VARIANT",
                         help="print the counted path of one variant's loop, block by block")
+    parser.add_argument("--head-size", type=int, default=None,
+                        help="the variants at this head size instead of 128")
     args = parser.parse_args(argv)
+    variants = variants_at(args.head_size)
     targets = offline.check_targets([t for t in args.targets.split(",") if t])
     if args.explain:
         for arch in targets:
             path: list = []
-            r = count_loop(args.explain, DEFAULT_VARIANTS[args.explain], arch, path=path)
+            r = count_loop(args.explain, variants[args.explain], arch, path=path)
             print(f"{r.variant.partition_name} on {arch}: loop {r.header}, inner-loop trips "
                   f"{r.trips}, wavefront shares {r.share}, {r.tokens} tokens a pass; path "
                   "(block or inner loop x times):")
@@ -715,7 +726,7 @@ def main(argv=None) -> int:
             print(f"{arch}: skipped ({missing})", file=sys.stderr)
             continue
         for name in args.variants.split(","):
-            variant = DEFAULT_VARIANTS[name]
+            variant = variants[name]
             if isinstance(variant, DecodeMatrixVariant) and \
                     not catalogue.matrix_variant_exists(variant, arch):
                 continue

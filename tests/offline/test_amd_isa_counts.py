@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,24 @@ def test_matrix_loop_on_gfx942(gfx942):
     assert integral(c) and all(c[k] > 0 for k in ("valu", "trans", "vmem_load", "salu"))
     assert c["vmem_load_bytes"] >= r.kv_bytes  # the loads cover the tile's K and V
     assert r.summary["scratch_bytes"] == 0
+
+
+@pytest.mark.parametrize("head_size", [80, 96, 112, 192])
+def test_matrix_loop_at_the_other_head_sizes_on_gfx942(gfx942, head_size):
+    """QK takes head_size / 16 MFMAs a pass, PV one per 16-row tile of O^T: as many, made even
+    (80 and 112: 6 and 8 tiles, the last one's columns past the row zeros); no spills."""
+    r = A.count_loop("matrix", DecodeMatrixVariant("float16", head_size, 1), gfx942)
+    chunks = head_size // 16
+    assert r.per_pass["mfma"] == chunks + (chunks + 1) // 2 * 2
+    assert r.kv_bytes == 16 * head_size * 2 * 2 and r.summary["scratch_bytes"] == 0
+    assert integral(r.per_pass)
+
+
+def test_variants_at_another_head_size():
+    at_96 = A.variants_at(96)
+    assert at_96.keys() == A.DEFAULT_VARIANTS.keys() and A.variants_at(None) is A.DEFAULT_VARIANTS
+    assert all(v.head_size == 96 and v == replace(A.DEFAULT_VARIANTS[name], head_size=96)
+               for name, v in at_96.items())
 
 
 def test_portable_loop_on_gfx942(gfx942):
