@@ -24,6 +24,7 @@ from cupa.gpu.launch import (PARTITION_POINTERS, REDUCE_POINTERS, kv_scale_facto
                              partition_launch, reduce_launch)
 from cupa.gpu.planner import make_plan
 from cupa.validation import check_decode_args
+from cases import rel_error
 from cuda_on_cpu import compiler_missing, cpu_kernels  # noqa: F401 (compiler_missing: for skips)
 
 # A small device: grids of a few waves from small problems (the planner splits for it).
@@ -40,9 +41,12 @@ class CpuDecode:
 def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_lens, *,
                   query_start_loc=None, scale=None, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None,
-                  v_scale=None, partition_size=None) -> CpuDecode:
+                  v_scale=None, partition_size=None, max_seq_len=None,
+                  hints_from_arrays=True) -> CpuDecode:
     """Decode numpy arrays as cupa would on the AMD target `arch` ('gfx942', ...): planned for
-    a device of MULTIPROCESSORS, built for the CPU, run. Outputs and partials start as NaN."""
+    a device of MULTIPROCESSORS, built for the CPU, run. Outputs and partials start as NaN.
+    The plan gets the length hints cupa.decode reads from host arrays, or with
+    hints_from_arrays=False only `max_seq_len`, as for arrays on the device."""
     arrays = [np.ascontiguousarray(a) if a is not None else None
               for a in (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         alibi_slopes, sinks)]
@@ -53,9 +57,13 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                               alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                               logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format)
     new_tokens = 1 if query_start_loc is None else int(np.diff(query_start_loc).max(initial=1))
+    if hints_from_arrays:
+        max_seq_len, total_seq_len = int(seq_lens.max(initial=1)), int(seq_lens.sum())
+    else:
+        total_seq_len = None
     plan = make_plan(shape, MULTIPROCESSORS, arch=arch, partition_size=partition_size,
-                     max_seq_len=int(seq_lens.max(initial=1)),
-                     total_seq_len=int(seq_lens.sum()), max_query_len=new_tokens)
+                     max_seq_len=max_seq_len, total_seq_len=total_seq_len,
+                     max_query_len=new_tokens)
     defines = tuple(Target(arch, emulated=True).defines()) + ("-DCUPA_CPU=1",)
     kernels = cpu_kernels(catalogue.module_source(plan.variant), defines)
 
@@ -82,3 +90,34 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
         reduce_pointers = [pointers[PARTITION_POINTERS[i]] for i in REDUCE_POINTERS]
         kernels[plan.variant.reduce_name](grid, block, [*reduce_pointers, *scalars])
     return CpuDecode(out=out, lse=lse, plan=plan)
+
+
+def selftest_runner(arch: str):
+    """A runner for cupa.selftest.run_cases: each case's problem decoded on the CPU build for
+    `arch` as selftest.run_on_gpu decodes it on a device (planned, then in 256-token
+    partitions; the kernel planned must be the case's)."""
+    from cupa import selftest
+    from cupa.gpu import dispatch
+    from cupa.reference import paged_decode_reference
+
+    def run(case, rng):
+        problem = selftest.make_problem(case, rng)
+        key_ref, value_ref = problem["reference_caches"]
+        args = [problem[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                     "seq_lens")]
+        ref, _ = paged_decode_reference(args[0], key_ref, value_ref, *args[3:])
+        outcome = selftest.Outcome()
+        for partition_size in (None, selftest.PARTITION_SIZE):
+            with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
+                result = decode_on_cpu(arch, *args, **problem["options"],
+                                       partition_size=partition_size,
+                                       max_seq_len=max(selftest.SEQ_LENS),
+                                       hints_from_arrays=False)
+            if result.plan.variant != case.variant:
+                outcome.failure = f"planned {result.plan.variant}, not {case.variant}"
+                return outcome
+            label = f"{partition_size or 'planned'}, {result.plan.max_partitions} partitions"
+            out = result.out.astype(np.float64)
+            outcome.errors[label] = rel_error(out, ref) if np.isfinite(out).all() else np.nan
+        return outcome
+    return run

@@ -12,16 +12,18 @@ owns, the outputs start as NaN, and lengths 0, 1, one block and several partitio
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
 import pytest
 
+from cupa import selftest
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 from cupa.reference import paged_decode_reference
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
-from decode_on_cpu import compiler_missing, decode_on_cpu
+from decode_on_cpu import compiler_missing, decode_on_cpu, selftest_runner
 from fuzz_draws import compare, draw, problem
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
@@ -151,3 +153,23 @@ def test_fuzz_on_amd_targets():
             failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
     assert not failures, (f"{len(failures)} of {FUZZ_DRAWS} configurations failed (seed {seed})"
                           ":\n" + "\n".join(failures))
+
+
+SELFTEST_SAMPLE = 12  # cases a target a run (CUPA_SELFTEST_CPU_CASES=all: every one, ~80 s each)
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_selftest_cases(arch):
+    """`python -m cupa selftest`'s cases for the target (every variant dispatch can pick there,
+    each with its fewest query rows: what a ROCm device checks on each variant's first use),
+    run by the selftest's own table and bounds on the CPU build: a random sample a run, its
+    seed printed (CUPA_FUZZ_SEED replays it), or all of them."""
+    cases = selftest.cases_for(arch)
+    if os.environ.get("CUPA_SELFTEST_CPU_CASES") != "all":
+        seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
+            np.random.SeedSequence().entropy % 2**31)
+        print(f"CUPA_FUZZ_SEED={seed}")
+        picks = np.random.default_rng(seed).choice(len(cases), SELFTEST_SAMPLE, replace=False)
+        cases = [cases[i] for i in sorted(picks)]
+    report = io.StringIO()
+    assert selftest.run_cases(cases, selftest_runner(arch), out=report) == 0, report.getvalue()
