@@ -129,7 +129,15 @@ def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size, kernel):
     check(result, case, REL_BOUND[dtype])
 
 
-FUZZ_DRAWS = 24  # about a minute on CI's two cores, the builds included
+FUZZ_DRAWS = 24  # about half a minute, the builds included
+
+
+def fresh_seed() -> int:
+    """CUPA_FUZZ_SEED, or a new seed; printed, so that a failure can be replayed."""
+    seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
+        np.random.SeedSequence().entropy % 2**31)
+    print(f"CUPA_FUZZ_SEED={seed}")
+    return seed
 
 
 def test_fuzz_on_amd_targets():
@@ -137,9 +145,7 @@ def test_fuzz_on_amd_targets():
     head sizes, GQA ratios, block sizes 8 to 32, features, new tokens, lengths at block and
     partition edges, partition sizes, the portable kernel forced now and then) at a random AMD
     target each. A fresh seed a run, printed; CUPA_FUZZ_SEED=<seed> replays one."""
-    seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
-        np.random.SeedSequence().entropy % 2**31)
-    print(f"CUPA_FUZZ_SEED={seed}")
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     failures = []
     for _ in range(FUZZ_DRAWS):
@@ -166,10 +172,8 @@ def test_selftest_cases(arch):
     seed printed (CUPA_FUZZ_SEED replays it), or all of them."""
     cases = selftest.cases_for(arch)
     if os.environ.get("CUPA_SELFTEST_CPU_CASES") != "all":
-        seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
-            np.random.SeedSequence().entropy % 2**31)
-        print(f"CUPA_FUZZ_SEED={seed}")
-        picks = np.random.default_rng(seed).choice(len(cases), SELFTEST_SAMPLE, replace=False)
+        picks = np.random.default_rng(fresh_seed()).choice(len(cases), SELFTEST_SAMPLE,
+                                                           replace=False)
         cases = [cases[i] for i in sorted(picks)]
     report = io.StringIO()
     assert selftest.run_cases(cases, selftest_runner(arch), out=report) == 0, report.getvalue()
