@@ -90,12 +90,11 @@ def draw(rng) -> Draw:
 @dataclass
 class Problem:
     args: list          # query, key cache, value cache, block tables, seq_lens (numpy)
-    options: dict       # the case's keyword options (cases.Case.options)
     fp8: dict           # kv_format, k_scale, v_scale, or empty
     ref: np.ndarray     # the float64 reference output and log-sum-exp
     ref_lse: np.ndarray
     bound: float        # ||out - ref|| / ||ref|| allowed
-    case: object        # the cases.Case
+    case: object        # the cases.Case (its keyword options: case.options())
 
 
 def problem(d: Draw) -> Problem:
@@ -116,7 +115,7 @@ def problem(d: Draw) -> Problem:
     else:
         ref_k, ref_v = k, v
     ref, ref_lse = paged_decode_reference(q, ref_k, ref_v, tables, lens, **options)
-    return Problem(args=[q, k, v, tables, lens], options=options, fp8=fp8, ref=ref,
+    return Problem(args=[q, k, v, tables, lens], fp8=fp8, ref=ref,
                    ref_lse=ref_lse, bound=FP8_REL_BOUND if fp8 else REL_BOUND[d.dtype],
                    case=case)
 

@@ -23,7 +23,8 @@ from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 from cupa.reference import paged_decode_reference
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
-from decode_on_cpu import compiler_missing, decode_on_cpu, selftest_runner
+from cuda_on_cpu import compiler_missing
+from decode_on_cpu import decode_on_cpu, selftest_runner
 from fuzz_draws import compare, draw, problem
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
@@ -152,7 +153,7 @@ def test_fuzz_on_amd_targets():
         d, arch = draw(rng), str(rng.choice(TARGETS))
         p = problem(d)
         with environ(CUPA_KERNEL=d.kernel):
-            result = decode_on_cpu(arch, *p.args, **p.options, **p.fp8,
+            result = decode_on_cpu(arch, *p.args, **p.case.options(), **p.fp8,
                                    partition_size=d.partition_size)
         found = compare(p, result.out, result.lse)
         if found is not None:
