@@ -132,9 +132,10 @@ def write_call(same_arrays: bool):
     cache._keys, cache._values = FakeDeviceArray(cache._keys), FakeDeviceArray(cache._values)
     writer = launch.CacheWriteLaunch.__new__(launch.CacheWriteLaunch)  # no kernel to compile
     writer.kernel = types.SimpleNamespace(name="write", kernel=types.SimpleNamespace(ptr=1))
-    writer.is_hip, writer.threads, writer._prepared = False, 256, {}
-    writer.fixed = (np.int32(KV_HEADS), np.int32(HEAD_SIZE), np.int32(BLOCK_SIZE),
-                    np.int64(cache.num_blocks * BLOCK_SIZE))
+    writer.is_hip, writer._prepared = False, {}
+    writer.threads, writer.fixed = launch.cache_write_form(
+        num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
+        num_blocks=cache.num_blocks, storage_itemsize=2)
     cache._write_launch = writer
     device_slots = FakeDeviceArray(np.ascontiguousarray(slots))
     qkv = np.ones((EXTEND_SEQS, 3 * KV_HEADS, HEAD_SIZE), np.float16)

@@ -168,6 +168,18 @@ def _has_extended(is_hip: bool) -> bool:
     return loaded is not None and loaded.extended is not None
 
 
+def cache_write_form(*, num_kv_heads: int, head_size: int, block_size: int, num_blocks: int,
+                     storage_itemsize: int) -> tuple[int, tuple]:
+    """(threads per block, the scalars fixed for the cache) of its write kernel: one thread per
+    16-byte vector of a token's cache rows (K and V), rounded up to whole warps. The row
+    strides (int64, elements) follow those scalars, then an fp8 cache's tail."""
+    vectors = 2 * num_kv_heads * head_size * storage_itemsize // 16
+    threads = min(catalogue.THREADS, -(-vectors // 32) * 32)
+    fixed = (np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size),
+             np.int64(num_blocks * block_size))
+    return threads, fixed
+
+
 class CacheWriteLaunch:
     """The KV-cache write of one cache (all its layers share the kernel and block): one thread
     block per token row, one thread per 16-byte vector of the cache row. Call it with the
@@ -181,10 +193,10 @@ class CacheWriteLaunch:
         self.variant = catalogue.CacheWriteVariant(dtype, kv_format)
         self.kernel = compiled_kernels(self.variant, device_index)[self.variant.write_name]
         self.is_hip = device_info(device_index).hip_runtime
-        vectors = 2 * num_kv_heads * head_size * storage_itemsize // 16
-        self.threads = min(catalogue.THREADS, -(-vectors // 32) * 32)
-        self.fixed = (np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size),
-                      np.int64(num_blocks * block_size))
+        self.threads, self.fixed = cache_write_form(num_kv_heads=num_kv_heads,
+                                                    head_size=head_size, block_size=block_size,
+                                                    num_blocks=num_blocks,
+                                                    storage_itemsize=storage_itemsize)
         self._prepared: dict = {}
 
     def __call__(self, pointers: tuple, row_strides: tuple, num_tokens: int, stream_ptr: int,

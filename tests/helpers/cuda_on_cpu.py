@@ -256,21 +256,31 @@ class CpuKernel:
 # two of them must not have one's launcher call the other's kernel.
 _COMPILE = ("g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",
             "-ffp-contract=off")
+# AddressSanitizer and UndefinedBehaviorSanitizer, every finding fatal; -g names the source lines
+# of the generated code in a report. A library built so loads only into a process that has the
+# ASan runtime preloaded (tests/helpers/sanitized_run.py starts one).
+SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-g")
+
+
+def asan_preloaded() -> bool:
+    return hasattr(ctypes.CDLL(None), "__asan_init")
 
 
 @functools.lru_cache(maxsize=None)
-def _library(source: str, defines: tuple = ("-D__HIP__",)):
+def _library(source: str, defines: tuple = ("-D__HIP__",), flags: tuple = ()):
     expanded = _expanded(source, defines)
     wrappers, signatures = _entry_points(expanded)
     code = SHIM + expanded + "\n" + wrappers + "\n"
-    digest = hashlib.sha256((repr(_COMPILE) + code).encode()).hexdigest()[:16]
+    command = _COMPILE + flags
+    digest = hashlib.sha256((repr(command) + code).encode()).hexdigest()[:16]
     build = Path(tempfile.gettempdir()) / f"cupa-cuda-on-cpu-{digest}"
     library = build / "kernels.so"
     if not library.exists():  # built once per machine; a concurrent build renames over it
         build.mkdir(exist_ok=True)
         own_code, own_library = (build / f"kernels-{os.getpid()}{ext}" for ext in (".cpp", ".so"))
         own_code.write_text(code)
-        subprocess.run([*_COMPILE, str(own_code), "-o", str(own_library)], check=True)
+        subprocess.run([*command, str(own_code), "-o", str(own_library)], check=True)
         own_library.replace(library)
     loaded = ctypes.CDLL(str(library))
     return {name: CpuKernel(getattr(loaded, f"run_{name}"), params)
@@ -282,6 +292,10 @@ def fused_kernels(source: str) -> dict:
     return _library(source)
 
 
-def cpu_kernels(source: str, defines: tuple) -> dict:
-    """{kernel name: CpuKernel} of a kernel source built with `defines` (-DNAME=VALUE ...)."""
-    return _library(source, tuple(defines))
+def cpu_kernels(source: str, defines: tuple, *, sanitize: bool = False) -> dict:
+    """{kernel name: CpuKernel} of a kernel source built with `defines` (-DNAME=VALUE ...),
+    under the sanitizers (SANITIZE) if asked."""
+    if sanitize and not asan_preloaded():
+        raise RuntimeError("a sanitized build needs the ASan runtime preloaded: run it through "
+                           "tests/helpers/sanitized_run.py")
+    return _library(source, tuple(defines), SANITIZE if sanitize else ())

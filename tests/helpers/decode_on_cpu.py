@@ -29,6 +29,8 @@ from cuda_on_cpu import cpu_kernels
 
 # A small device: grids of a few waves from small problems (the planner splits for it).
 MULTIPROCESSORS = 4
+# The arrays the kernels write: the outputs and the phase-1 partials.
+WRITTEN = frozenset(PARTITION_POINTERS[:5])
 
 
 @dataclass
@@ -42,11 +44,15 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                   query_start_loc=None, scale=None, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None,
                   v_scale=None, partition_size=None, max_seq_len=None,
-                  hints_from_arrays=True) -> CpuDecode:
+                  hints_from_arrays=True, place=None, sanitize=False) -> CpuDecode:
     """Decode numpy arrays as cupa would on the AMD target `arch` ('gfx942', ...): planned for
     a device of MULTIPROCESSORS, built for the CPU, run. Outputs and partials start as NaN.
     The plan gets the length hints cupa.decode reads from host arrays, or with
-    hints_from_arrays=False only `max_seq_len`, as for arrays on the device."""
+    hints_from_arrays=False only `max_seq_len`, as for arrays on the device.
+
+    place(name, array, writable) -> array, if given, puts each array the kernels get where
+    they will see it (guarded_memory.GuardedArena.place), the outputs and partials writable;
+    sanitize builds the kernels under the sanitizers (in a sanitized_run.py process)."""
     arrays = [np.ascontiguousarray(a) if a is not None else None
               for a in (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         alibi_slopes, sinks)]
@@ -65,7 +71,7 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                      max_seq_len=max_seq_len, total_seq_len=total_seq_len,
                      max_query_len=new_tokens)
     defines = tuple(Target(arch, emulated=True).defines()) + ("-DCUPA_CPU=1",)
-    kernels = cpu_kernels(catalogue.module_source(plan.variant), defines)
+    kernels = cpu_kernels(catalogue.module_source(plan.variant), defines, sanitize=sanitize)
 
     fmt = check_kv_format(kv_format)
     factors = None
@@ -83,6 +89,10 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
     pointers = dict(zip(PARTITION_POINTERS, (
         out, lse, *partials, query, key_cache, value_cache, factors, block_tables, seq_lens,
         query_start_loc, alibi_slopes, sinks)))
+    if place is not None:
+        pointers = {name: place(name, array, writable=name in WRITTEN)
+                    for name, array in pointers.items()}
+        out, lse = pointers["out"], pointers["lse"]
     grid, block, scalars = partition_launch(plan, shape, MULTIPROCESSORS)
     kernels[plan.variant.partition_name](grid, block, [*pointers.values(), *scalars])
     if plan.reduce_launch:

@@ -8,6 +8,7 @@ judges a result."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,14 @@ class Draw:
 
     def sort_key(self):
         return (self.kernel, self.dtype, self.kv_format or "", self.head_size, self.group)
+
+
+def fresh_seed() -> int:
+    """CUPA_FUZZ_SEED, or a new seed; printed, so that a failure can be replayed."""
+    seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
+        np.random.SeedSequence().entropy % 2**31)
+    print(f"CUPA_FUZZ_SEED={seed}")
+    return seed
 
 
 def draw(rng) -> Draw:

@@ -25,7 +25,7 @@ from cupa.reference import paged_decode_reference
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
 from cuda_on_cpu import compiler_missing
 from decode_on_cpu import decode_on_cpu, selftest_runner
-from fuzz_draws import compare, draw, problem
+from fuzz_draws import compare, draw, fresh_seed, problem
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
@@ -131,14 +131,6 @@ def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size, kernel):
 
 
 FUZZ_DRAWS = 24  # about half a minute, the builds included
-
-
-def fresh_seed() -> int:
-    """CUPA_FUZZ_SEED, or a new seed; printed, so that a failure can be replayed."""
-    seed = int(os.environ.get("CUPA_FUZZ_SEED", 0)) or int(
-        np.random.SeedSequence().entropy % 2**31)
-    print(f"CUPA_FUZZ_SEED={seed}")
-    return seed
 
 
 def test_fuzz_on_amd_targets():
