@@ -90,7 +90,8 @@ CUPA_FN int window_first(int pos, int sliding_window) {
 }
 
 // The new tokens of sequence `seq`: query rows [tok0, tok0 + q_len). Without query_start_loc
-// every sequence has one. Values from the device are clamped into the query array.
+// every sequence has one. Values from the device are clamped into the query array, each end
+// before any difference is taken (a difference of two raw int32 entries can overflow).
 CUPA_FN void query_span(const i32* query_start_loc, int seq, int num_tokens, int& tok0,
                         int& q_len) {
     if (query_start_loc == nullptr) {
@@ -99,7 +100,8 @@ CUPA_FN void query_span(const i32* query_start_loc, int seq, int num_tokens, int
         return;
     }
     tok0 = cmin(cmax(query_start_loc[seq], 0), num_tokens);
-    q_len = cmin(cmax(query_start_loc[seq + 1] - tok0, 0), cmin(MAX_QUERY_LEN, num_tokens - tok0));
+    const int end = cmin(cmax(query_start_loc[seq + 1], tok0), num_tokens);
+    q_len = cmin(end - tok0, MAX_QUERY_LEN);
 }
 
 CUPA_FN int clamp_len(int len, int capacity) { return len < 0 ? 0 : cmin(len, capacity); }

@@ -23,6 +23,7 @@ from cupa.gpu.device import Target
 from cupa.gpu.launch import (PARTITION_POINTERS, REDUCE_POINTERS, kv_scale_factors,
                              partition_launch, reduce_launch)
 from cupa.gpu.planner import make_plan
+from cupa.problem import default_max_query_len
 from cupa.validation import check_decode_args
 from cases import rel_error
 from cuda_on_cpu import cpu_kernels
@@ -44,11 +45,13 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                   query_start_loc=None, scale=None, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None,
                   v_scale=None, partition_size=None, max_seq_len=None,
-                  hints_from_arrays=True, place=None, sanitize=False) -> CpuDecode:
+                  hints_from_arrays=True, max_query_len=None, place=None,
+                  sanitize=False) -> CpuDecode:
     """Decode numpy arrays as cupa would on the AMD target `arch` ('gfx942', ...): planned for
     a device of MULTIPROCESSORS, built for the CPU, run. Outputs and partials start as NaN.
     The plan gets the length hints cupa.decode reads from host arrays, or with
-    hints_from_arrays=False only `max_seq_len`, as for arrays on the device.
+    hints_from_arrays=False only `max_seq_len` and `max_query_len` (default: the most new
+    tokens the shapes allow), as for arrays on the device.
 
     place(name, array, writable) -> array, if given, puts each array the kernels get where
     they will see it (guarded_memory.GuardedArena.place), the outputs and partials writable;
@@ -62,7 +65,12 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                               query_start_loc=query_start_loc, scale=scale,
                               alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                               logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format)
-    new_tokens = 1 if query_start_loc is None else int(np.diff(query_start_loc).max(initial=1))
+    if query_start_loc is None:
+        new_tokens = 1
+    elif hints_from_arrays:
+        new_tokens = int(np.diff(query_start_loc).max(initial=1))
+    else:  # as cupa.decode plans a device query_start_loc
+        new_tokens = max_query_len or default_max_query_len(shape)
     if hints_from_arrays:
         max_seq_len, total_seq_len = int(seq_lens.max(initial=1)), int(seq_lens.sum())
     else:

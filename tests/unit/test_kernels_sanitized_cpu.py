@@ -249,3 +249,31 @@ def test_cache_write_skips_bad_slots(rng, tmp_path, arch, kv_format, placement):
             block, offset = divmod(int(slots[token]), block_size)
             expected[block, :, offset] = rows_[token]
         assert np.array_equal(result[name].view(np.uint8), expected.view(np.uint8)), name
+
+
+# --- multi-token decode: a query_start_loc no host check sees ----------------------------
+
+@pytest.mark.parametrize("kernel", ["auto", "portable"])
+@pytest.mark.parametrize("arch", ["gfx942", "gfx1201"])
+def test_decode_clamps_query_start_loc_into_the_query(rng, tmp_path, arch, kernel):
+    """Sequences 0 and 1 own the query's four rows; the entries after them are the extremes
+    of int32. The kernels clamp each end of a span into the query array, so the bad sequences
+    own no row here: nothing outside the arrays is touched, no arithmetic overflows (a span's
+    raw difference would: -2^31 - 4), and the good sequences' rows are the reference's."""
+    query, key, value, tables, lengths, _ = hostile_tables(rng)
+    tables = tables[[7, 7, 7, 7]]  # sequence 7's table: 200 tokens, every block id good
+    lengths = np.array([200, 137, 200, 200], np.int32)
+    query = rng.standard_normal((4, NUM_KV_HEADS * GROUP, HEAD_SIZE)).astype(np.float16)
+    key, value = key.astype(np.float16), value.astype(np.float16)
+    # Sequence 2 spans [4, 2^31 - 1), sequence 3 [2^31 - 1, -2^31): both clamp to [4, 4).
+    starts = np.array([0, 2, 4, 2**31 - 1, -2**31], np.int32)
+    result = run_sanitized({
+        "kind": "decode", "arch": arch, "placement": "end",
+        "environ": {"CUPA_KERNEL": kernel},
+        "arrays": dict(query=query, key_cache=key, value_cache=value, block_tables=tables,
+                       seq_lens=lengths, query_start_loc=starts),
+        "options": dict(partition_size=PARTITION, max_seq_len=WIDTH * BLOCK_SIZE,
+                        max_query_len=2, hints_from_arrays=False)}, tmp_path)
+    ref, _ = paged_decode_reference(query, key, value, tables[:2], lengths[:2],
+                                    query_start_loc=starts[:3])
+    assert rel_error(result["out"], ref) < REL_BOUND["float16"], result["variant"]
