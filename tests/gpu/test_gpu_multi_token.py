@@ -12,8 +12,8 @@ import cupa
 from cupa.arrays import gpu_available
 from cupa.reference import paged_decode_reference
 
-from cases import REL_BOUND, make_case, rel_error
-from test_gpu_decode import check_lse, run_and_check
+from cases import REL_BOUND, environ, make_case, rel_error
+from test_gpu_decode import KERNEL_MODES, check_lse, kernel_modes, run_and_check
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs cupy and a GPU")
 
@@ -50,6 +50,36 @@ def test_host_query_start_loc_and_hint(rng):
         cupa.decode(*args, query_start_loc=loc, max_query_len=hint, partition_size=256, out=out)
         got = cupy.asnumpy(out)
         assert np.isfinite(got).all() and rel_error(got, ref) <= REL_BOUND["float16"]
+
+
+@pytest.mark.parametrize("dtype, head_size, group", [("float16", 128, 8), ("float32", 64, 2),
+                                                     ("bfloat16", 128, 16)])
+def test_device_query_start_loc_is_clamped_into_the_query(rng, dtype, head_size, group):
+    """A device query_start_loc whose entries after the real sequences are the extremes of
+    int32: each end of a span is clamped into the query, so those sequences own no row (the
+    span [4, 2^31 - 1) and [2^31 - 1, -2^31) both become [4, 4)), and the real sequences'
+    rows are the reference's. Every kernel that applies (tests/unit/test_kernels_sanitized_cpu.py
+    runs the AMD builds of the same case under the sanitizers)."""
+    import cupy
+    case = make_case(rng, dtype=dtype, head_size=head_size, group=group,
+                     seq_lens=(300, 137, 1, 1), new_tokens=(2, 2, 1, 1))
+    ref, _ = paged_decode_reference(case.query[:4], case.key_cache, case.value_cache,
+                                    case.block_tables[:2], case.seq_lens[:2],
+                                    **dict(case.options(), query_start_loc=np.array([0, 2, 4],
+                                                                                    np.int32)))
+    starts = cupy.asarray(np.array([0, 2, 4, 2**31 - 1, -2**31], np.int32))
+    query = cupy.asarray(case.query[:4])
+    args = [query] + [cupy.asarray(x) for x in case.args()[1:]]
+    for mode in kernel_modes(case):
+        for partition_size in (None, 128):
+            out = cupy.full(query.shape, np.nan, dtype=query.dtype)
+            with environ(**KERNEL_MODES[mode]):
+                cupa.decode(*args, query_start_loc=starts, max_query_len=2, out=out,
+                            partition_size=partition_size)
+            got = cupy.asnumpy(out)
+            where = f"kernel={mode}, partition_size={partition_size}"
+            assert np.isfinite(got.astype(np.float32)).all(), where
+            assert rel_error(got, ref) <= REL_BOUND[dtype], where
 
 
 def _fixed_case(rng, seq_lens, new_tokens, num_blocks, width, **kwargs):
