@@ -287,15 +287,23 @@ def _library(source: str, defines: tuple = ("-D__HIP__",), flags: tuple = ()):
             for name, params in signatures}
 
 
+def _sanitizer_flags(sanitize: bool) -> tuple:
+    """SANITIZE if asked, or for every build with CUPA_CPU_SANITIZE=1 (a whole test file in a
+    process with the ASan runtime preloaded; docs/amd_emulation.md), else none."""
+    if not (sanitize or os.environ.get("CUPA_CPU_SANITIZE") == "1"):
+        return ()
+    if not asan_preloaded():
+        raise RuntimeError("a sanitized build needs the ASan runtime preloaded: run it through "
+                           "tests/helpers/sanitized_run.py, or preload it (LD_PRELOAD)")
+    return SANITIZE
+
+
 def fused_kernels(source: str) -> dict:
     """{kernel name: CpuKernel} of a fused.py source (its HIP branch)."""
-    return _library(source)
+    return _library(source, ("-D__HIP__",), _sanitizer_flags(False))
 
 
 def cpu_kernels(source: str, defines: tuple, *, sanitize: bool = False) -> dict:
     """{kernel name: CpuKernel} of a kernel source built with `defines` (-DNAME=VALUE ...),
-    under the sanitizers (SANITIZE) if asked."""
-    if sanitize and not asan_preloaded():
-        raise RuntimeError("a sanitized build needs the ASan runtime preloaded: run it through "
-                           "tests/helpers/sanitized_run.py")
-    return _library(source, tuple(defines), SANITIZE if sanitize else ())
+    under the sanitizers if asked (_sanitizer_flags)."""
+    return _library(source, tuple(defines), _sanitizer_flags(sanitize))

@@ -31,7 +31,7 @@ from cuda_on_cpu import cpu_kernels
 # A small device: grids of a few waves from small problems (the planner splits for it).
 MULTIPROCESSORS = 4
 # The arrays the kernels write: the outputs and the phase-1 partials.
-WRITTEN = frozenset(PARTITION_POINTERS[:5])
+WRITTEN = frozenset({"out", "lse", "part_acc", "part_max", "part_sum"})
 
 
 @dataclass
