@@ -6,6 +6,8 @@ the cache and lengths past the table's capacity, which the kernels must treat as
     compute-sanitizer --tool racecheck --racecheck-report hazard python3 tools/sanitizer_probe.py
 
 tests/gpu/test_gpu_sanitizer.py runs it under each tool. Prints one line per call and "probe done".
+Under CUPA_EMULATE=<gfx target> (the emulated AMD build, docs/amd_emulation.md) "auto" is the
+matrix-core kernel and every merge is the reduce launch: no cluster merge, no chained reduce.
 """
 import os
 import sys
@@ -68,23 +70,25 @@ def main():
     for head_size in (80, 128):
         run_fp8(f"portable fp8 d{head_size}", *problem(rng, "float16", head_size, 4))
     os.environ["CUPA_KERNEL"] = "auto"
-    for merge in ("reduce", "cluster"):
+    emulated = bool(os.environ.get("CUPA_EMULATE"))
+    cores = "matrix cores" if emulated else "tensor cores"
+    for merge in ("reduce",) if emulated else ("reduce", "cluster"):
         os.environ["CUPA_MERGE"] = merge
         dispatch.reload_switches()
         for dtype in ("float16", "bfloat16"):
             # 80, 96 and 112 at their own width, 192 at 256 (catalogue.staged_head_size).
             for head_size in (64, 80, 96, 112, 128, 192, 256):
-                run(f"tensor cores {dtype} d{head_size} group 8 ({merge})",
+                run(f"{cores} {dtype} d{head_size} group 8 ({merge})",
                     *problem(rng, dtype, head_size, 8), partition_size=256)
-            run(f"tensor cores 16-row {dtype} group 32 ({merge})",
+            run(f"{cores} 16-row {dtype} group 32 ({merge})",
                 *problem(rng, dtype, 128, 32), partition_size=256)
             # fp8 rows at 80, 96 and 112 at their own width; 80 and 112 end mid column block.
             for head_size in (80, 96, 112, 128):
-                run_fp8(f"tensor cores fp8 {dtype} d{head_size} ({merge})",
+                run_fp8(f"{cores} fp8 {dtype} d{head_size} ({merge})",
                         *problem(rng, dtype, head_size, 8))
-            run_fp8(f"tensor cores 16-row fp8 {dtype} d112 group 32 ({merge})",
+            run_fp8(f"{cores} 16-row fp8 {dtype} d112 group 32 ({merge})",
                     *problem(rng, dtype, 112, 32))
-    for chained in ("1", "0"):
+    for chained in () if emulated else ("1", "0"):
         os.environ.update(CUPA_MERGE="reduce", CUPA_CHAINED_REDUCE=chained)
         dispatch.reload_switches()
         run(f"reduce, chained={chained}", *problem(rng, "float16", 128, 8), partition_size=128)

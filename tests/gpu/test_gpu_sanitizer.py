@@ -1,5 +1,10 @@
 """compute-sanitizer over every kernel family (tools/sanitizer_probe.py): 0 errors and 0 race
-hazards under each tool. Skips without a GPU or without compute-sanitizer (NVIDIA only)."""
+hazards under each tool. Skips without a GPU or without compute-sanitizer (NVIDIA only).
+
+Under CUPA_EMULATE (tools/device_run.sh emulated) the probe runs the emulated AMD builds: at
+EMULATED_TARGETS, in the matrix-core pair's run (its portable pair would repeat it), under the
+tools that see what the emulation adds (wavefront exchanges through shared memory, named
+barriers): memcheck, racecheck and synccheck."""
 
 from __future__ import annotations
 
@@ -20,10 +25,16 @@ pytestmark = [pytest.mark.skipif(not gpu_available(), reason="needs cupy and a G
               pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer is not on PATH")]
 TOOLS = {"memcheck": [], "racecheck": ["--racecheck-report", "all"], "initcheck": [],
          "synccheck": []}
+EMULATED_TARGETS = ("gfx942", "gfx1100")  # wave64 MFMA, wave32 WMMA
+EMULATED_TOOLS = ("memcheck", "racecheck", "synccheck")
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_every_kernel_family_is_clean(tool):
+    emulated = os.environ.get("CUPA_EMULATE")
+    if emulated and (emulated not in EMULATED_TARGETS or tool not in EMULATED_TOOLS
+                     or os.environ.get("CUPA_KERNEL", "auto") != "auto"):
+        pytest.skip(f"emulated runs: {EMULATED_TOOLS} at {EMULATED_TARGETS}, matrix-core pairs")
     command = [SANITIZER, "--tool", tool, *TOOLS[tool], "--print-limit", "20", sys.executable,
                str(PROBE)]
     # -lineinfo lets a report name kernel source lines.
