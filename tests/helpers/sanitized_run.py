@@ -60,15 +60,32 @@ def sanitizers_missing() -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
+def asan_cannot_start() -> str | None:
+    """Why a Python process with the ASan runtime preloaded does not start here (some kernels'
+    address-space layouts defeat an older runtime's shadow memory), or None."""
+    probe = subprocess.run([sys.executable, "-c", "import ctypes; "
+                            "assert hasattr(ctypes.CDLL(None), '__asan_init')"],
+                           env=_child_env({}), capture_output=True, text=True, timeout=120)
+    if probe.returncode == 0:
+        return None
+    return f"python with {asan_runtime()} preloaded exits {probe.returncode}: " \
+           f"{probe.stderr.strip()[-300:]}"
+
+
+def _child_env(environ: dict) -> dict:
+    return dict(os.environ, **environ, LD_PRELOAD=asan_runtime(),
+                # Python's own allocations are never freed at exit: leak reports would be noise.
+                ASAN_OPTIONS="detect_leaks=0:handle_segv=1:print_summary=1",
+                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+
+
 def run_sanitized(job: dict, workdir: Path) -> dict:
     """Run `job` in a sanitized child; its results as a dict of arrays (and strings)."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, result_path = workdir / "job.pkl", workdir / "result.pkl"
     job_path.write_bytes(pickle.dumps(job))
-    env = dict(os.environ, **job.get("environ", {}), LD_PRELOAD=asan_runtime(),
-               # Python's own allocations are never freed at exit: leak reports would be noise.
-               ASAN_OPTIONS="detect_leaks=0:handle_segv=1:print_summary=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    env = _child_env(job.get("environ", {}))
     child = subprocess.run([sys.executable, __file__, str(job_path), str(result_path)],
                            env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     if child.returncode != 0 or not result_path.exists():
