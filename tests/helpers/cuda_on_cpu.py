@@ -1,13 +1,17 @@
 """Runs CUDA kernel sources on the CPU: the example engine's fused kernels (examples/llm/fused.py)
-and cupa's decode kernels in their emulated AMD build (tests/helpers/decode_on_cpu.py), so that
-their arithmetic and the host code around them can be tested without a GPU.
+and cupa's decode kernels, in their emulated AMD build or their NVIDIA build
+(tests/helpers/decode_on_cpu.py), so that their arithmetic and the host code around them can be
+tested without a GPU.
 
 The source is compiled with the host C++ compiler after a shim for the CUDA built-ins it uses:
 threadIdx / blockIdx (three-dimensional grids), blockDim / gridDim, __shared__ (a static: the
 workgroups of a launch run one after another), __syncthreads, the warp shuffles and ballot, and
 cupa_cpu_sync_group, the barrier of a warp or an AMD wavefront (amd_emulation.cuh's wave_sync
 under CUPA_CPU). A workgroup's threads are coroutines that switch at each barrier; the shuffles
-exchange through one word a thread between two barriers of their group. The fused kernels take
+exchange through one word a thread between two barriers of their group, and the tensor-core
+instructions the NVIDIA kernels call under CUPA_CPU (cupa_cpu_mma_m16n8k16, cupa_cpu_ldmatrix,
+cupa_cpu_movmatrix) through eight words a lane, each lane then computing its own part by the
+PTX ISA's fragment layouts. The fused kernels take
 their source's HIP branch (`_Float16`, which the host compiler has too); the decode kernels are
 built with CUPA_CPU=1 (kernels/common.cuh). Each kernel gets a `run_<name>(grid, block, args...)`
 entry point, called like a cupy RawKernel, `kernel(grid, block, args)`, on numpy arrays (their
@@ -37,6 +41,7 @@ SHIM = r"""
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <ucontext.h>
@@ -175,10 +180,128 @@ static unsigned __ballot_sync(unsigned, int predicate) {
     cupa_cpu_sync_group(32);
     return bits;
 }
+static int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+static int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, !predicate) == 0; }
 static void __syncwarp(unsigned = 0xffffffffu) { cupa_cpu_sync_group(32); }
 static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static int __ffs(int x) { return __builtin_ffs(x); }
+
+// ---- PTX of the NVIDIA tensor-core kernels, for their CPU build (kernels/mma/*.cuh under
+// CUPA_CPU): the warp-wide instructions exchange their lanes' operands through lane_words
+// between two barriers of the warp, then each lane computes what the instruction gives it.
+// Shared memory is the library's statics; a "shared address" is a 32-bit offset from
+// shared_base, 2 GiB below one of them (all statics of the library lie within that).
+static unsigned lane_words[1024][8];
+static char shared_anchor;
+static const uintptr_t shared_base = (uintptr_t)&shared_anchor - 0x80000000u;
+static unsigned __cvta_generic_to_shared(const void* p) { return (unsigned)((uintptr_t)p - shared_base); }
+static const char* shared_at(unsigned address) { return (const char*)(shared_base + address); }
+static void __trap() { fprintf(stderr, "cuda_on_cpu: __trap()\n"); abort(); }
+#define CUPA_CPU_DYNAMIC_SHARED_BYTES 232448  // sm_90's most
+static unsigned cupa_cpu_dynamic_shared_bytes;  // the launch's
+static unsigned cupa_cpu_lane() { return running % 32; }
+static unsigned cupa_cpu_word_of(unsigned lane, int i) { return lane_words[running / 32 * 32 + lane][i]; }
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8i .. 8i + 7 give the rows of
+// matrix i; lane (g, c) = (lane / 4, lane % 4) receives row g's 16-bit columns 2c, 2c + 1 (or,
+// transposed, column g of rows 2c and 2c + 1).
+static void cupa_cpu_ldmatrix(unsigned (&r)[4], unsigned address, bool transposed) {
+    const unsigned lane = cupa_cpu_lane(), g = lane / 4, c = lane % 4;
+    lane_words[running][0] = address;
+    cupa_cpu_sync_group(32);
+    for (int i = 0; i < 4; ++i) {
+        if (!transposed) {
+            memcpy(&r[i], shared_at(cupa_cpu_word_of(8 * i + g, 0) + 4 * c), 4);
+        } else {
+            unsigned short lo, hi;
+            memcpy(&lo, shared_at(cupa_cpu_word_of(8 * i + 2 * c, 0) + 2 * g), 2);
+            memcpy(&hi, shared_at(cupa_cpu_word_of(8 * i + 2 * c + 1, 0) + 2 * g), 2);
+            r[i] = lo | (unsigned)hi << 16;
+        }
+    }
+    cupa_cpu_sync_group(32);
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: lane (g, c) holds row g's columns 2c, 2c + 1 and
+// receives those of the transposed matrix, column g of rows 2c and 2c + 1.
+static unsigned cupa_cpu_movmatrix(unsigned x) {
+    const unsigned lane = cupa_cpu_lane(), g = lane / 4, c = lane % 4;
+    lane_words[running][0] = x;
+    cupa_cpu_sync_group(32);
+    unsigned r = 0;
+    for (int j = 0; j < 2; ++j) {
+        const unsigned row = 2 * c + j;  // the source element (row, g)
+        const unsigned word = cupa_cpu_word_of(4 * row + g / 2, 0);
+        r |= ((word >> (16 * (g % 2))) & 0xffffu) << (16 * j);
+    }
+    cupa_cpu_sync_group(32);
+    return r;
+}
+
+static float cupa_cpu_half(unsigned bits16, bool bf16) {
+    if (bf16) { unsigned u = bits16 << 16; float f; memcpy(&f, &u, 4); return f; }
+    _Float16 h; unsigned short s = (unsigned short)bits16; memcpy(&h, &s, 2); return (float)h;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D = A B + D, A 16 x 16, B 16 x 8. Lane
+// (g, c): a = A[g][2c..], A[g + 8][2c..], A[g][2c + 8..], A[g + 8][2c + 8..] (pairs, low half
+// first); b = B[2c..][g], B[2c + 8..][g]; d = D[g][2c], D[g][2c + 1], D[g + 8][2c], D[g + 8][2c + 1].
+static void cupa_cpu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned b1, bool bf16) {
+    const unsigned lane = cupa_cpu_lane(), g = lane / 4, c = lane % 4;
+    unsigned* mine = lane_words[running];
+    mine[0] = a[0]; mine[1] = a[1]; mine[2] = a[2]; mine[3] = a[3]; mine[4] = b0; mine[5] = b1;
+    cupa_cpu_sync_group(32);
+    auto element = [&](unsigned owner, int word, int k) {
+        return cupa_cpu_half(cupa_cpu_word_of(owner, word) >> (16 * (k % 2)) & 0xffffu, bf16);
+    };
+    auto a_at = [&](unsigned row, int k) {  // A[row][k]
+        const int word = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        return element(4 * (row % 8) + (k % 8) / 2, word, k);
+    };
+    auto b_at = [&](int k, unsigned n) { return element(4 * n + (k % 8) / 2, k >= 8 ? 5 : 4, k); };
+    for (int e = 0; e < 4; ++e) {
+        const unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * c + e % 2;
+        float acc = d[e];
+        for (int k = 0; k < 16; ++k) acc = std::fma(a_at(row, k), b_at(k, col), acc);
+        d[e] = acc;
+    }
+    cupa_cpu_sync_group(32);
+}
+
+// prmt.b32 (default mode): result byte i is byte (selector nibble i & 7) of {b, a}, or with the
+// nibble's bit 3 that byte's sign bit replicated.
+static unsigned cupa_cpu_prmt(unsigned a, unsigned b, unsigned selector) {
+    const unsigned long long bytes = a | (unsigned long long)b << 32;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned nibble = selector >> (4 * i) & 0xfu;
+        unsigned byte = bytes >> (8 * (nibble & 7u)) & 0xffu;
+        if (nibble & 8u) byte = byte & 0x80u ? 0xffu : 0u;
+        r |= byte << (8 * i);
+    }
+    return r;
+}
+
+// cvt.rn.f16x2.e4m3x2: two OCP e4m3fn codes as float16 (exact; 0x7f / 0xff NaN), lo in the low half.
+static unsigned cupa_cpu_e4m3x2(unsigned lo, unsigned hi) {
+    auto widen = [](unsigned code) -> unsigned {
+        const unsigned sign = code >> 7, exponent = code >> 3 & 0xfu, mantissa = code & 7u;
+        float value;
+        if (exponent == 15 && mantissa == 7) value = NAN;
+        else if (exponent == 0) value = std::ldexp((float)mantissa, -9);
+        else value = std::ldexp(1.0f + mantissa / 8.0f, (int)exponent - 7);
+        _Float16 h = (_Float16)(sign ? -value : value);
+        unsigned short bits; memcpy(&bits, &h, 2); return bits;
+    };
+    return widen(lo) | widen(hi) << 16;
+}
+
+// cp.async of `bytes` (4 or 16) from src, zero-filled past `valid` bytes.
+static void cupa_cpu_copy(void* dst, const void* src, int valid, int bytes) {
+    memset(dst, 0, bytes);
+    if (valid) memcpy(dst, src, valid);
+}
 
 // fma.rn.f32, and with ftz its flush of subnormal inputs and result to zero (as the sign says).
 static float flushed(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
@@ -206,16 +329,16 @@ def _expanded(source: str, defines: tuple) -> str:
 
 
 def _entry_points(expanded: str) -> tuple[str, list]:
-    """C++ wrappers run_<kernel>(grid x, y, z, block, params) and each kernel's parameter
-    types."""
+    """C++ wrappers run_<kernel>(grid x, y, z, block, dynamic shared bytes, params) and each
+    kernel's parameter types."""
     wrappers, signatures = [], []
     for name, params in _KERNEL.findall(expanded):
         params = [p.strip() for p in params.split(",")]
         names = [p.split()[-1].lstrip("*") for p in params]
         wrappers.append(f'extern "C" __attribute__((visibility("default"))) void run_{name}('
-                        f'unsigned gx, unsigned gy, unsigned gz, unsigned block, '
-                        f'{", ".join(params)}) {{ launch(Dim3{{gx, gy, gz}}, block, [&] {{ '
-                        f'{name}({", ".join(names)}); }}); }}')
+                        f'unsigned gx, unsigned gy, unsigned gz, unsigned block, unsigned shared, '
+                        f'{", ".join(params)}) {{ cupa_cpu_dynamic_shared_bytes = shared; '
+                        f'launch(Dim3{{gx, gy, gz}}, block, [&] {{ {name}({", ".join(names)}); }}); }}')
         signatures.append((name, params))
     return "\n".join(wrappers), signatures
 
@@ -238,18 +361,19 @@ class CpuKernel:
     def __init__(self, function, params):
         self.function, self.name = function, function.__name__
         self.params = params
-        function.argtypes = [ctypes.c_uint] * 4 + [_argtype(p) for p in params]
+        function.argtypes = [ctypes.c_uint] * 5 + [_argtype(p) for p in params]
         function.restype = None
 
-    def __call__(self, grid, block, args):
+    def __call__(self, grid, block, args, shared_mem=0):
         """grid: up to three dimensions; args: numpy arrays (their addresses), None (a null
-        pointer) and scalars, one per parameter."""
+        pointer) and scalars, one per parameter; shared_mem: the dynamic shared bytes (at most
+        CUPA_CPU_DYNAMIC_SHARED_BYTES)."""
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
         values = [a.ctypes.data if isinstance(a, np.ndarray) else None if a is None else
                   int(a) if isinstance(a, (np.integer, int)) else float(a) for a in args]
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        self.function(gx, gy, gz, block[0], *values)
+        self.function(gx, gy, gz, block[0], shared_mem, *values)
 
 
 # Hidden symbols: builds for different targets share kernel names, and a process that loads

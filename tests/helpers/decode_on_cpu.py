@@ -1,14 +1,17 @@
-"""cupa's decode kernels for an AMD target, built for the CPU and run there: the emulated AMD
-build (kernels/amd_emulation.cuh: wave64 or wave32, MFMA or WMMA by AMD's layouts) compiled by
-the host's C++ compiler with CUPA_CPU=1, its threads run as coroutines by
-tests/helpers/cuda_on_cpu.py. The plan, the grid and every argument come from cupa itself
-(gpu.planner.make_plan, gpu.launch.partition_launch and reduce_launch), so what runs is what an
-AMD GPU would be asked to run: phase 1, then the reduce where the plan has one.
+"""cupa's decode kernels built for the CPU and run there: an AMD target's emulated build
+(kernels/amd_emulation.cuh: wave64 or wave32, MFMA or WMMA by AMD's layouts), or an NVIDIA
+target's own build, whose tensor-core PTX (mma.sync, ldmatrix, movmatrix, cp.async, prmt, the
+fp8 conversion) the runner's shim carries out lane by lane; compiled by the host's C++ compiler
+with CUPA_CPU=1, its threads run as coroutines by tests/helpers/cuda_on_cpu.py. The plan, the
+grid and every argument come from cupa itself (gpu.planner.make_plan, gpu.launch.partition_launch
+and reduce_launch), so what runs is what the GPU would be asked to run: phase 1, then the reduce
+where the plan has one. No thread-block clusters: NVIDIA plans merge by the reduce here, and
+chained launches run one after another.
 
-What this shows: the kernels' indexing, masking and merging, their wavefront collectives and the
-matrix instructions' operand layouts, on any machine. What it cannot: the hardware's own
-arithmetic, timing and memory ordering (real AMD: `python -m cupa selftest`; the emulated build
-on an NVIDIA GPU: tests/gpu/test_gpu_amd_emulation.py and the GPU suite under CUPA_EMULATE).
+What this shows: the kernels' indexing, masking and merging, their warp and wavefront
+collectives and the matrix instructions' operand layouts, on any machine. What it cannot: the
+hardware's own arithmetic, timing and memory ordering (real AMD: `python -m cupa selftest`; the
+GPU suite on NVIDIA, and under CUPA_EMULATE for the AMD builds).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupa.fp8 import check_kv_format, kv_scales
-from cupa.gpu import catalogue
+from cupa.gpu import catalogue, dispatch
 from cupa.gpu.device import Target
 from cupa.gpu.launch import (PARTITION_POINTERS, REDUCE_POINTERS, kv_scale_factors,
                              partition_launch, reduce_launch)
@@ -47,8 +50,10 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                   v_scale=None, partition_size=None, max_seq_len=None,
                   hints_from_arrays=True, max_query_len=None, place=None,
                   sanitize=False) -> CpuDecode:
-    """Decode numpy arrays as cupa would on the AMD target `arch` ('gfx942', ...): planned for
-    a device of MULTIPROCESSORS, built for the CPU, run. Outputs and partials start as NaN.
+    """Decode numpy arrays as cupa would on the target `arch` (an AMD 'gfx942', ..., in its
+    emulated build; or NVIDIA 'sm_80', 'sm_90', the tensor-core kernels' PTX by cuda_on_cpu's
+    shim): planned for a device of MULTIPROCESSORS, built for the CPU, run. Outputs and
+    partials start as NaN.
     The plan gets the length hints cupa.decode reads from host arrays, or with
     hints_from_arrays=False only `max_seq_len` and `max_query_len` (default: the most new
     tokens the shapes allow), as for arrays on the device.
@@ -75,10 +80,13 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
         max_seq_len, total_seq_len = int(seq_lens.max(initial=1)), int(seq_lens.sum())
     else:
         total_seq_len = None
-    plan = make_plan(shape, MULTIPROCESSORS, arch=arch, partition_size=partition_size,
-                     max_seq_len=max_seq_len, total_seq_len=total_seq_len,
-                     max_query_len=new_tokens)
-    defines = tuple(Target(arch, emulated=True).defines()) + ("-DCUPA_CPU=1",)
+    # The CPU runs no thread-block clusters: NVIDIA plans merge by the reduce launch here.
+    with dispatch.switches_set({"CUPA_MERGE": "reduce"}):
+        plan = make_plan(shape, MULTIPROCESSORS, arch=arch, partition_size=partition_size,
+                         max_seq_len=max_seq_len, total_seq_len=total_seq_len,
+                         max_query_len=new_tokens)
+    target = Target(arch, emulated=arch.startswith("gfx"))
+    defines = tuple(target.defines()) + ("-DCUPA_CPU=1",)
     kernels = cpu_kernels(catalogue.module_source(plan.variant), defines, sanitize=sanitize)
 
     fmt = check_kv_format(kv_format)
@@ -102,7 +110,8 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                     for name, array in pointers.items()}
         out, lse = pointers["out"], pointers["lse"]
     grid, block, scalars = partition_launch(plan, shape, MULTIPROCESSORS)
-    kernels[plan.variant.partition_name](grid, block, [*pointers.values(), *scalars])
+    kernels[plan.variant.partition_name](grid, block, [*pointers.values(), *scalars],
+                                         shared_mem=plan.variant.shared_bytes)
     if plan.reduce_launch:
         grid, block, scalars = reduce_launch(plan, shape)
         reduce_pointers = [pointers[PARTITION_POINTERS[i]] for i in REDUCE_POINTERS]
@@ -115,7 +124,6 @@ def selftest_runner(arch: str):
     `arch` as selftest.run_on_gpu decodes it on a device (planned, then in 256-token
     partitions; the kernel planned must be the case's)."""
     from cupa import selftest
-    from cupa.gpu import dispatch
     from cupa.reference import paged_decode_reference
 
     def run(case, rng):

@@ -1,5 +1,5 @@
-"""cupa's AMD kernel builds on the CPU under AddressSanitizer and UndefinedBehaviorSanitizer,
-every array in guarded memory (tests/helpers/sanitized_run.py, guarded_memory.py): a read or
+"""cupa's kernels built for the CPU (the AMD targets' emulated builds and the NVIDIA targets'
+own) under AddressSanitizer and UndefinedBehaviorSanitizer, every array in guarded memory (tests/helpers/sanitized_run.py, guarded_memory.py): a read or
 write outside an array the kernel was given, an overrun of shared memory or the stack, a signed
 overflow or an out-of-range shift fails the test with the sanitizer's report.
 
@@ -13,7 +13,8 @@ and once against its lower guard (reads before the start fault).
 
 GPU twins: tests/gpu/test_gpu_sanitizer.py (compute-sanitizer on NVIDIA) and
 tests/gpu/test_gpu_decode.py's tests of the same tables; this file covers the AMD builds
-(wave64 and wave32, MFMA and WMMA emulation) where no AMD GPU is.
+(wave64 and wave32, MFMA and WMMA emulation), where no AMD GPU is, and the NVIDIA builds in CI,
+where no GPU is.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from offline_compile import need_compiler
 from sanitized_run import (SanitizerFinding, asan_cannot_start, run_sanitized,
                            sanitizers_missing)
 
-TARGETS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
+# The AMD builds (emulated) and the NVIDIA ones (tensor-core PTX by the runner's shim).
+TARGETS = ("gfx90a", "gfx942", "gfx1100", "gfx1201", "sm_80", "sm_90")
 
 
 @pytest.fixture(autouse=True)
@@ -162,8 +164,9 @@ def reference_without_bad_blocks(query, key, value, tables, clamped):
 @pytest.mark.parametrize("arch", TARGETS)
 def test_decode_leaves_bad_block_ids_out_and_clamps_lengths(rng, tmp_path, arch, kernel,
                                                             placement):
-    """The matrix-core kernel (auto) and the portable one, planned in 64-token partitions
-    (phase 1 and the reduce) for device tables, as cupa.decode plans them."""
+    """The matrix-core (AMD) or tensor-core (NVIDIA) kernel (auto) and the portable one,
+    planned in 64-token partitions (phase 1 and the reduce) for device tables, as cupa.decode
+    plans them."""
     query, key, value, tables, lengths, clamped = hostile_tables(rng)
     query, key, value = (a.astype(np.float16) for a in (query, key, value))
     result = run_sanitized({
@@ -173,7 +176,9 @@ def test_decode_leaves_bad_block_ids_out_and_clamps_lengths(rng, tmp_path, arch,
                        seq_lens=lengths),
         "options": dict(partition_size=PARTITION, max_seq_len=WIDTH * BLOCK_SIZE,
                         hints_from_arrays=False)}, tmp_path)
-    assert ("DecodeMatrixVariant" in result["variant"]) == (kernel == "auto")
+    matrix_cores = "DecodeMatrixVariant" in result["variant"] or "DecodeMmaVariant" in \
+        result["variant"]
+    assert matrix_cores == (kernel == "auto")
     ref, ref_lse = reference_without_bad_blocks(query, key, value, tables, clamped)
     out = result["out"].astype(np.float64)
     unfinished = [s for s in range(len(lengths)) if not np.isfinite(out[s]).all()]
@@ -259,7 +264,7 @@ def test_cache_write_skips_bad_slots(rng, tmp_path, arch, kv_format, placement):
 # --- multi-token decode: a query_start_loc no host check sees ----------------------------
 
 @pytest.mark.parametrize("kernel", ["auto", "portable"])
-@pytest.mark.parametrize("arch", ["gfx942", "gfx1201"])
+@pytest.mark.parametrize("arch", ["gfx942", "gfx1201", "sm_90"])
 def test_decode_clamps_query_start_loc_into_the_query(rng, tmp_path, arch, kernel):
     """Sequences 0 and 1 own the query's four rows; the entries after them are the extremes
     of int32. The kernels clamp each end of a span into the query array, so the bad sequences

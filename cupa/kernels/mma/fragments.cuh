@@ -15,12 +15,20 @@ namespace cupa {
 // together arrive in consecutive registers (no moves): "rows inner" = rows 0-7 and 8-15 of the
 // first unit, then of the second; otherwise both units of rows 0-7, then of rows 8-15.
 CUPA_FN void load_matrices(u32 (&r)[4], u32 address) {
+#if CUPA_CPU
+    cupa_cpu_ldmatrix(r, address, false);
+#else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+#endif
 }
 CUPA_FN void load_matrices_transposed(u32 (&r)[4], u32 address) {
+#if CUPA_CPU
+    cupa_cpu_ldmatrix(r, address, true);
+#else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+#endif
 }
 
 // What the words mean, per cache type. The summed index of QK (the head dim) may be permuted as
@@ -50,7 +58,11 @@ template <typename C> struct Frag {
 template <int LO, int HI>
 CUPA_FN u32 fp8_pair_software(u32 w) {
     u32 y;
+#if CUPA_CPU
+    y = cupa_cpu_prmt(w, 0u, LO | (8 | LO) << 4 | HI << 8 | (8 | HI) << 12);
+#else
     asm("prmt.b32 %0, %1, 0, %2;" : "=r"(y) : "r"(w), "n"(LO | (8 | LO) << 4 | HI << 8 | (8 | HI) << 12));
+#endif
     return (y << 7) & 0xbf80bf80u;
 }
 template <int LO, int HI>
@@ -65,6 +77,8 @@ CUPA_FN u32 fp8_pair_hardware(u32 w) {
         asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(w));
     else  // bytes 0, 2 or 1, 3: one permute (shared by both pairs) regroups them
         r = fp8_pair_hardware<2 * LO, 2 * LO + 1>(__byte_perm(w, 0u, 0x3120));
+#elif CUPA_CPU
+    r = cupa_cpu_e4m3x2(w >> (8 * LO) & 0xffu, w >> (8 * HI) & 0xffu);
 #else
     r = 0u;  // compiled for older targets but never run: variants.py picks it on sm_89+ only
 #endif

@@ -21,6 +21,13 @@ CUPA_FN u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared
 // x, which the compiler must then keep in a register as it is: it can no longer rebuild a
 // per-thread value from threadIdx, or a pointer from a uniform base plus an offset, inside the
 // loop that uses it (which it does to save registers the kernel has to spare).
+#if CUPA_CPU
+CUPA_FN const unsigned char* pinned(const unsigned char* x) { return x; }
+CUPA_FN int pinned(int x) { return x; }
+CUPA_FN const unsigned char* offset_wide(const unsigned char* base, u32 a, u32 b) {
+    return base + (u64)a * b;
+}
+#else
 CUPA_FN const unsigned char* pinned(const unsigned char* x) {
     asm("" : "+l"(x));
     return x;
@@ -36,6 +43,7 @@ CUPA_FN const unsigned char* offset_wide(const unsigned char* base, u32 a, u32 b
     asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(a), "r"(b), "l"(base));
     return r;
 }
+#endif
 
 CUPA_FN void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

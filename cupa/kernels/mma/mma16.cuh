@@ -81,7 +81,7 @@ CUPA_FN void decode_partition_mma16(
     static_assert(D % 16 == 0 && D <= 256, "whole k16 steps; rows staged as KvRing says");
 
     CUPA_PHASE_STAMP(PHASE_START);
-    extern __shared__ cupa_u32x4 dynamic_shared[];
+    CUPA_DYNAMIC_SHARED(dynamic_shared);
     __shared__ float m_s[NWARPS][TILE_ROWS], l_s[NWARPS][TILE_ROWS];
     if (dynamic_shared_bytes() < (u32)Shape::BYTES) __trap();
 

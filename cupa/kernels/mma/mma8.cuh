@@ -11,9 +11,13 @@ namespace cupa {
 // rows g and g + 8). P^T reaches the B layout of the PV product through one movmatrix transpose
 // per 8x8 tile. Each warp takes KvRing::WARP_STEPS 16-token steps of every staged chunk.
 CUPA_FN u32 transpose8x8(u32 x) {
+#if CUPA_CPU
+    return cupa_cpu_movmatrix(x);
+#else
     u32 y;
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
     return y;
+#endif
 }
 
 template <typename T, typename C, int D, int DENSE_STAGES = 0>
@@ -33,7 +37,7 @@ CUPA_FN void decode_partition_mma8(
     static_assert(R::CHUNK == NWARPS * WS * STEP, "WS steps per warp and chunk");
 
     CUPA_PHASE_STAMP(PHASE_START);
-    extern __shared__ cupa_u32x4 dynamic_shared[];
+    CUPA_DYNAMIC_SHARED(dynamic_shared);
     __shared__ float m_s[NWARPS][HT], l_s[NWARPS][HT];
     if (dynamic_shared_bytes() < (u32)mma_shared_bytes<C, D, HT, DENSE_STAGES>()) __trap();
 

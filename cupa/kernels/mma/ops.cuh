@@ -25,9 +25,13 @@ CUPA_FN unsigned linear_block_id() {
 }
 // The global timer, in nanoseconds.
 CUPA_FN unsigned long long global_timer_ns() {
+#if CUPA_CPU
+    return 0;  // no stamps on the CPU
+#else
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+#endif
 }
 
 #ifdef CUPA_PHASE_STAMPS
@@ -76,11 +80,15 @@ template <typename T> struct MmaOp;
 
 template <> struct MmaOp<cupa_f16> {
     CUPA_FN static void run(float* d, const u32* a, u32 b0, u32 b1) {
+#if CUPA_CPU
+        cupa_cpu_mma_m16n8k16(d, a, b0, b1, false);
+#else
         asm(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
     }
     // Two floats to a packed pair, the first in the low half.
     CUPA_FN static u32 pack(float lo, float hi) {
@@ -90,16 +98,24 @@ template <> struct MmaOp<cupa_f16> {
 
 template <> struct MmaOp<cupa_bf16> {
     CUPA_FN static void run(float* d, const u32* a, u32 b0, u32 b1) {
+#if CUPA_CPU
+        cupa_cpu_mma_m16n8k16(d, a, b0, b1, true);
+#else
         asm(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
     }
     CUPA_FN static u32 pack(float lo, float hi) {
+#if CUPA_CPU
+        return (u32)float_to_bf16_bits(lo) | ((u32)float_to_bf16_bits(hi) << 16);
+#else
         u32 r;
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
+#endif
     }
 };
 

@@ -18,6 +18,17 @@ namespace cupa {
 // whatever the number of rows).
 
 // 16 (4) bytes global -> shared; with valid == false nothing is read and the bytes are zeroed.
+// The CPU build copies at once (cuda_on_cpu's shim), so a missing wait shows there as nothing.
+#if CUPA_CPU
+CUPA_FN void copy16_async(void* dst, const void* src, bool valid) { cupa_cpu_copy(dst, src, valid ? 16 : 0, 16); }
+CUPA_FN void copy4_async(void* dst, const void* src, bool valid) { cupa_cpu_copy(dst, src, valid ? 4 : 0, 4); }
+CUPA_FN void commit_copies() {}
+template <int PENDING> CUPA_FN void wait_copies() {}
+CUPA_FN u32 dynamic_shared_bytes() { return cupa_cpu_dynamic_shared_bytes; }
+// The workgroup's dynamic shared memory: a static of the largest size on the CPU.
+#define CUPA_DYNAMIC_SHARED(name) static cupa_u32x4 name[CUPA_CPU_DYNAMIC_SHARED_BYTES / 16]
+#else
+#define CUPA_DYNAMIC_SHARED(name) extern __shared__ cupa_u32x4 name[]
 CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  ::"r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
@@ -35,6 +46,7 @@ CUPA_FN u32 dynamic_shared_bytes() {
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
     return n;
 }
+#endif
 
 
 // The head size a K/V row is staged at in shared memory. Rows between heads 64 and 128 (80, 96,

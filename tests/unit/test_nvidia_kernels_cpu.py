@@ -1,0 +1,117 @@
+"""cupa's NVIDIA tensor-core kernels (decode_mma.cu: the 8-column and 16-row kernels and their
+dense, wide and deep forms) built for the CPU and run there (tests/helpers/decode_on_cpu.py):
+the sm_80 and sm_90 builds, their mma.sync, ldmatrix, movmatrix, cp.async, prmt and e4m3
+conversions carried out by the runner's shim, planned and launched with cupa's own planner and
+arguments, against the float64 reference.
+
+So CI checks the kernels NVIDIA GPUs run, in sessions that have no GPU. What this cannot show:
+the tensor cores' own rounding, the copies' asynchrony (a copy lands at once here, so a
+missing wait goes unseen), thread-block clusters (plans merge by the reduce launch here) and
+chained launches; the GPU suite shows those.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupa.gpu import dispatch
+from cupa.gpu.catalogue import DecodeMmaVariant
+from cupa.reference import paged_decode_reference
+
+from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
+from cuda_on_cpu import compiler_missing
+from decode_on_cpu import decode_on_cpu
+from fuzz_draws import compare, draw, fresh_seed, problem
+
+pytestmark = pytest.mark.skipif(compiler_missing() is not None,
+                                reason=compiler_missing() or "")
+
+TARGETS = ("sm_80", "sm_90")
+LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
+
+
+def check(result, case, bound, reference_caches=None):
+    """Every output written and within `bound` of the reference; the log-sum-exp likewise
+    (-inf exactly where the reference has it)."""
+    key_cache, value_cache = reference_caches or (case.key_cache, case.value_cache)
+    ref, ref_lse = paged_decode_reference(case.query, key_cache, value_cache,
+                                          case.block_tables, case.seq_lens, **case.options())
+    assert np.isfinite(result.out.astype(np.float32)).all(), result.plan.variant
+    assert rel_error(result.out, ref) < bound, result.plan.variant
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(result.lse), finite)
+    assert rel_error(result.lse[finite], ref_lse[finite]) < bound
+
+
+# (form, head size, group, new tokens): the form's switches (dispatch.FORM_SWITCHES) make the
+# planner pick it on a problem this small; None is the planner's own choice.
+FORMS = [(None, 128, 8, None), (None, 64, 4, None), (None, 80, 8, None), (None, 96, 2, None),
+         (None, 112, 8, None), (None, 192, 8, None), (None, 256, 8, None), (None, 128, 1, None),
+         ("16-row", 128, 16, None), ("16-row", 64, 8, 2), ("16-row", 112, 32, None),
+         ("dense", 64, 8, None), ("dense", 128, 8, None), ("wide", 128, 8, None),
+         (None, 128, 32, 3)]
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("form, head_size, group, new_tokens", FORMS)
+def test_tensor_core_kernels(rng, arch, form, head_size, group, new_tokens):
+    """Planned partitions and 64-token ones (several, merged by the reduce)."""
+    dtype = "bfloat16" if head_size in (80, 192) else "float16"
+    case = make_case(rng, dtype=dtype, head_size=head_size, num_kv_heads=2, group=group,
+                     seq_lens=LENGTHS, new_tokens=new_tokens)
+    for partition_size in (None, 64):
+        with environ(**dispatch.FORM_SWITCHES.get(form, {})):
+            result = decode_on_cpu(arch, *case.args(), **case.options(),
+                                   partition_size=partition_size)
+        assert isinstance(result.plan.variant, DecodeMmaVariant)
+        check(result, case, REL_BOUND[dtype])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_tensor_core_kernels_options(rng, arch):
+    """A sliding window, ALiBi, a soft cap and attention sinks together, shared blocks."""
+    case = make_case(rng, num_kv_heads=2, group=4, seq_lens=(1, 37, 300), alibi=True,
+                     sliding_window=70, logits_soft_cap=20.0, sinks=True)
+    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
+    assert isinstance(result.plan.variant, DecodeMmaVariant)
+    check(result, case, REL_BOUND["float16"])
+
+
+# OCP e4m3 widens by the hardware conversion on sm_89+ (the shim's exact one here), e4m3fnuz and
+# sm_80 by the kernels' software widening (prmt); heads 80 and 112 end mid column block.
+@pytest.mark.parametrize("arch, fmt, head_size, group", [
+    ("sm_90", "fp8_e4m3", 128, 8), ("sm_90", "fp8_e4m3fnuz", 128, 8),
+    ("sm_80", "fp8_e4m3", 80, 8), ("sm_90", "fp8_e4m3", 112, 32),
+    ("sm_90", "fp8_e4m3fnuz", 256, 16), ("sm_80", "fp8_e4m3fnuz", 64, 4)])
+def test_tensor_core_kernels_fp8_cache(rng, arch, fmt, head_size, group):
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
+    (key_codes, value_codes), dequantized, (k_scale, v_scale) = quantized_case(case, fmt, rng)
+    result = decode_on_cpu(arch, case.query, key_codes, value_codes, case.block_tables,
+                           case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
+                           v_scale=v_scale)
+    assert isinstance(result.plan.variant, DecodeMmaVariant)
+    check(result, case, FP8_REL_BOUND, reference_caches=dequantized)
+
+
+FUZZ_DRAWS = 16
+
+
+def test_fuzz_on_nvidia_targets():
+    """The GPU fuzz's random configurations (tests/helpers/fuzz_draws.py) at sm_80 or sm_90
+    each, the portable kernel now and then. A fresh seed a run, printed;
+    CUPA_FUZZ_SEED=<seed> replays one."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    failures = []
+    for _ in range(FUZZ_DRAWS):
+        d, arch = draw(rng), str(rng.choice(TARGETS))
+        p = problem(d)
+        with environ(CUPA_KERNEL=d.kernel):
+            result = decode_on_cpu(arch, *p.args, **p.case.options(), **p.fp8,
+                                   partition_size=d.partition_size)
+        found = compare(p, result.out, result.lse)
+        if found is not None:
+            failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
+    assert not failures, (f"{len(failures)} of {FUZZ_DRAWS} configurations failed (seed {seed})"
+                          ":\n" + "\n".join(failures))
