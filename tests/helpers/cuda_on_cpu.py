@@ -67,6 +67,10 @@ static std::vector<int> waiting;
 static std::vector<unsigned> exchange_words;  // one a thread, for the shuffles
 static std::function<void()> kernel_body;
 static unsigned running;
+// cp.async copies not landed yet, per thread (cupa_cpu_copy below).
+struct PendingCopy { void* dst; const void* src; int valid, bytes; };
+static std::vector<std::vector<PendingCopy>> open_copies;  // a thread's uncommitted copies
+static std::vector<std::vector<std::vector<PendingCopy>>> committed_copies;  // its groups
 
 // The empty asm is a compiler barrier: the other threads read and write shared memory while
 // this one waits, and the compiler may otherwise keep a static's values in registers across
@@ -122,6 +126,8 @@ template <typename F> static void launch(Dim3 grid, unsigned block, F body) {
         blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
         finished.assign(block, 0);
         waiting.assign(block, RUNNABLE);
+        open_copies.assign(block, {});
+        committed_copies.assign(block, {});
         for (unsigned t = 0; t < block; ++t) {
             getcontext(&contexts[t]);
             contexts[t].uc_stack.ss_sp = stacks.data() + t * stack_bytes;
@@ -297,10 +303,29 @@ static unsigned cupa_cpu_e4m3x2(unsigned lo, unsigned hi) {
     return widen(lo) | widen(hi) << 16;
 }
 
-// cp.async of `bytes` (4 or 16) from src, zero-filled past `valid` bytes.
+// cp.async of `bytes` (4 or 16) from src, zero-filled past `valid` bytes. A copy lands when
+// its thread waits for its group (cp.async.wait_group), not before: until then its bytes hold
+// poison (0xff: NaN in 16-bit floats, -1 as a block id), as a GPU's may hold anything. So a read
+// before the wait, or of another thread's copy before a barrier after that thread's wait, or a
+// copy issued into a stage still being read, shows in the results.
+static void land(const PendingCopy& c) {
+    memset(c.dst, 0, c.bytes);
+    if (c.valid) memcpy(c.dst, c.src, c.valid);
+}
 static void cupa_cpu_copy(void* dst, const void* src, int valid, int bytes) {
-    memset(dst, 0, bytes);
-    if (valid) memcpy(dst, src, valid);
+    memset(dst, 0xff, bytes);
+    open_copies[running].push_back({dst, src, valid, bytes});
+}
+static void cupa_cpu_commit_copies() {
+    committed_copies[running].push_back(std::move(open_copies[running]));
+    open_copies[running].clear();
+}
+static void cupa_cpu_wait_copies(int pending) {
+    auto& groups = committed_copies[running];
+    while ((int)groups.size() > pending) {
+        for (const PendingCopy& c : groups.front()) land(c);
+        groups.erase(groups.begin());
+    }
 }
 
 // fma.rn.f32, and with ftz its flush of subnormal inputs and result to zero (as the sign says).

@@ -18,12 +18,12 @@ namespace cupa {
 // whatever the number of rows).
 
 // 16 (4) bytes global -> shared; with valid == false nothing is read and the bytes are zeroed.
-// The CPU build copies at once (cuda_on_cpu's shim), so a missing wait shows there as nothing.
+// The CPU build (cuda_on_cpu's shim) lands a copy at its thread's wait, poison until then.
 #if CUPA_CPU
 CUPA_FN void copy16_async(void* dst, const void* src, bool valid) { cupa_cpu_copy(dst, src, valid ? 16 : 0, 16); }
 CUPA_FN void copy4_async(void* dst, const void* src, bool valid) { cupa_cpu_copy(dst, src, valid ? 4 : 0, 4); }
-CUPA_FN void commit_copies() {}
-template <int PENDING> CUPA_FN void wait_copies() {}
+CUPA_FN void commit_copies() { cupa_cpu_commit_copies(); }
+template <int PENDING> CUPA_FN void wait_copies() { cupa_cpu_wait_copies(PENDING); }
 CUPA_FN u32 dynamic_shared_bytes() { return cupa_cpu_dynamic_shared_bytes; }
 // The workgroup's dynamic shared memory: a static of the largest size on the CPU.
 #define CUPA_DYNAMIC_SHARED(name) static cupa_u32x4 name[CUPA_CPU_DYNAMIC_SHARED_BYTES / 16]
