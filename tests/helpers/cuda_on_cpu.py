@@ -43,7 +43,9 @@ SHIM = r"""
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <dlfcn.h>
 #include <functional>
+#include <sys/mman.h>
 #include <ucontext.h>
 #include <vector>
 struct Dim3 { unsigned x, y, z; };
@@ -55,11 +57,12 @@ static Dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, g
 #define __launch_bounds__(...)
 
 // The threads of a workgroup are coroutines on one OS thread. Each runs until it reaches a
-// barrier: __syncthreads (all the workgroup's threads) or a group barrier (the `width`
-// consecutive threads of a warp or wavefront, cupa_cpu_sync_group). A pass runs every thread
-// that is not waiting; a barrier opens once every live thread it names has reached it, so no
-// thread passes one before the others arrived. Workgroups run one after another.
-enum { RUNNABLE = 0, AT_WORKGROUP_BARRIER = -1 };  // > 0: at the barrier of its group of that width
+// barrier: __syncthreads (all its workgroup's threads), a group barrier (the `width`
+// consecutive threads of a warp or wavefront, cupa_cpu_sync_group) or the cluster barrier. A
+// pass runs every thread that is not waiting; a barrier opens once every live thread it names
+// has reached it (a thread that has exited counts as arrived), so no thread passes one before
+// the others arrived. Workgroups run one after another, or a thread-block cluster's together.
+enum { RUNNABLE = 0, AT_WORKGROUP_BARRIER = -1, AT_CLUSTER_BARRIER = -2 };  // > 0: a group's
 static ucontext_t scheduler;
 static std::vector<ucontext_t> contexts;
 static std::vector<char> finished;
@@ -72,6 +75,53 @@ struct PendingCopy { void* dst; const void* src; int valid, bytes; };
 static std::vector<std::vector<PendingCopy>> open_copies;  // a thread's uncommitted copies
 static std::vector<std::vector<std::vector<PendingCopy>>> committed_copies;  // its groups
 
+// Shared memory of the blocks of a cluster. __shared__ variables are statics, one copy each: the
+// running block's values live there, the others' wait in cluster_shared, which holds each
+// block's bytes of every shared range end to end (each starts as poison, 0xff, as a GPU's holds
+// anything). The ranges are the kernels' function-local statics, which cuda_on_cpu.py reads off
+// the library's symbol table (cupa_cpu_register_shared).
+static char shared_anchor;  // a static of this library: its base for dladdr, and shared_base
+struct SharedRange { char* start; size_t bytes, offset; };  // offset: in a block's copy
+static std::vector<SharedRange> shared_ranges;
+static size_t shared_total;
+extern "C" __attribute__((visibility("default")))
+void cupa_cpu_register_shared(const unsigned long* addresses, const unsigned long* sizes, int n) {
+    Dl_info info;
+    dladdr((void*)&shared_anchor, &info);  // this library's own (a hidden static)
+    shared_ranges.clear();
+    shared_total = 0;
+    for (int i = 0; i < n; ++i) {
+        shared_ranges.push_back({(char*)info.dli_fbase + addresses[i], sizes[i], shared_total});
+        shared_total += sizes[i];
+    }
+}
+static std::vector<std::vector<char>> cluster_shared;
+static int resident_block = -1;  // the cluster's block whose shared memory the statics hold
+static void make_resident(int rank) {
+    if (cluster_shared.size() < 2 || rank == resident_block) return;
+    for (const SharedRange& r : shared_ranges) {
+        if (resident_block >= 0) memcpy(cluster_shared[resident_block].data() + r.offset, r.start, r.bytes);
+        memcpy(r.start, cluster_shared[rank].data() + r.offset, r.bytes);
+    }
+    resident_block = rank;
+}
+// Where byte `offset` of block `rank`'s copy of the shared ranges lives now.
+static const char* shared_of_block(int rank, size_t offset) {
+    if (rank == resident_block || cluster_shared.size() < 2) {
+        for (const SharedRange& r : shared_ranges)
+            if (offset >= r.offset && offset < r.offset + r.bytes) return r.start + (offset - r.offset);
+        fprintf(stderr, "cuda_on_cpu: no shared range at offset %zu\n", offset);
+        abort();
+    }
+    return cluster_shared[rank].data() + offset;
+}
+static size_t shared_offset_of(const char* p) {  // p's offset in a block's copy
+    for (const SharedRange& r : shared_ranges)
+        if (p >= r.start && p < r.start + r.bytes) return r.offset + (p - r.start);
+    fprintf(stderr, "cuda_on_cpu: %p is in no __shared__ variable\n", (const void*)p);
+    abort();
+}
+
 // The empty asm is a compiler barrier: the other threads read and write shared memory while
 // this one waits, and the compiler may otherwise keep a static's values in registers across
 // swapcontext, which it can prove never sees them.
@@ -83,24 +133,33 @@ static void wait_at(int barrier) {
 }
 static void __syncthreads() { wait_at(AT_WORKGROUP_BARRIER); }
 static void cupa_cpu_sync_group(int width) { wait_at(width); }
+static void cupa_cpu_cluster_sync() { wait_at(AT_CLUSTER_BARRIER); }
 static void thread_main() { kernel_body(); finished[running] = 1; }
 
-static bool open_barriers(unsigned block) {
-    bool all_there = true, any_live = false;
-    for (unsigned t = 0; t < block; ++t)
-        if (!finished[t]) {
-            any_live = true;
-            all_there = all_there && waiting[t] == AT_WORKGROUP_BARRIER;
-        }
-    if (any_live && all_there) {
-        for (unsigned t = 0; t < block; ++t) waiting[t] = RUNNABLE;
+// Opens the barriers every live thread they name has reached, among `threads` threads in
+// workgroups of `block`; true if one opened.
+static bool open_barriers(unsigned threads, unsigned block) {
+    auto open_if_all_at = [&](unsigned first, unsigned last, int barrier) {
+        bool all_there = true, any_live = false;
+        for (unsigned t = first; t < last; ++t)
+            if (!finished[t]) {
+                any_live = true;
+                all_there = all_there && waiting[t] == barrier;
+            }
+        if (!any_live || !all_there) return false;
+        for (unsigned t = first; t < last; ++t) waiting[t] = RUNNABLE;
         return true;
-    }
+    };
+    if (open_if_all_at(0, threads, AT_CLUSTER_BARRIER)) return true;
     bool opened = false;
-    for (unsigned t = 0; t < block; ++t) {
+    for (unsigned first = 0; first < threads; first += block)
+        opened = open_if_all_at(first, first + block, AT_WORKGROUP_BARRIER) || opened;
+    if (opened) return true;
+    for (unsigned t = 0; t < threads; ++t) {
         const int width = waiting[t];
         if (finished[t] || width <= 0) continue;
-        const unsigned first = t / width * width, last = first + width < block ? first + width : block;
+        const unsigned first = t / width * width, end = (t / block + 1) * block;
+        const unsigned last = first + width < end ? first + width : end;
         bool whole = true;
         for (unsigned u = first; u < last; ++u) whole = whole && (finished[u] || waiting[u] == width);
         if (whole) {
@@ -111,48 +170,71 @@ static bool open_barriers(unsigned block) {
     return opened;
 }
 
-template <typename F> static void launch(Dim3 grid, unsigned block, F body) {
+// Coroutine stacks, mapped once and grown as needed (pages are touched only as used).
+static char* thread_stacks(size_t bytes) {
+    static char* stacks = nullptr;
+    static size_t mapped = 0;
+    if (bytes > mapped) {
+        if (stacks) munmap(stacks, mapped);
+        stacks = (char*)mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (stacks == MAP_FAILED) { perror("cuda_on_cpu: stacks"); abort(); }
+        mapped = bytes;
+    }
+    return stacks;
+}
+
+// Runs `body` over `grid` in workgroups of `block` threads, the workgroups of each cluster of
+// `cluster` together (all of them, or one at a time without clusters).
+template <typename F> static void launch(Dim3 grid, unsigned block, Dim3 cluster, F body) {
     const size_t stack_bytes = 1 << 17;
-    static std::vector<char> stacks;  // kept: zeroing megabytes per launch would dominate
-    if (stacks.size() < block * stack_bytes) stacks.resize(block * stack_bytes);
+    const unsigned size = cluster.x * cluster.y * cluster.z, threads = size * block;
+    char* const stacks = thread_stacks(threads * stack_bytes);
     gridDim = grid;
     blockDim = {block, 1, 1};
     kernel_body = body;
-    contexts.assign(block, ucontext_t());
-    exchange_words.assign(block, 0u);
-    for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-    for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
-        finished.assign(block, 0);
-        waiting.assign(block, RUNNABLE);
-        open_copies.assign(block, {});
-        committed_copies.assign(block, {});
-        for (unsigned t = 0; t < block; ++t) {
+    contexts.assign(threads, ucontext_t());
+    exchange_words.assign(threads, 0u);
+    for (unsigned z = 0; z < grid.z; z += cluster.z)
+    for (unsigned y = 0; y < grid.y; y += cluster.y)
+    for (unsigned x = 0; x < grid.x; x += cluster.x) {
+        finished.assign(threads, 0);
+        waiting.assign(threads, RUNNABLE);
+        open_copies.assign(threads, {});
+        committed_copies.assign(threads, {});
+        cluster_shared.assign(size > 1 ? size : 0, std::vector<char>(shared_total, (char)0xff));
+        resident_block = -1;
+        for (unsigned t = 0; t < threads; ++t) {
             getcontext(&contexts[t]);
-            contexts[t].uc_stack.ss_sp = stacks.data() + t * stack_bytes;
+            contexts[t].uc_stack.ss_sp = stacks + t * stack_bytes;
             contexts[t].uc_stack.ss_size = stack_bytes;
             contexts[t].uc_link = &scheduler;
             makecontext(&contexts[t], thread_main, 0);
         }
         for (;;) {
             bool ran = false, live = false;
-            for (unsigned t = 0; t < block; ++t) {
+            for (unsigned t = 0; t < threads; ++t) {
                 if (finished[t] || waiting[t] != RUNNABLE) continue;
+                const unsigned rank = t / block;  // x fastest within the cluster
+                make_resident((int)rank);
                 running = t;
-                threadIdx.x = t;
+                threadIdx.x = t % block;
+                blockIdx.x = x + rank % cluster.x;
+                blockIdx.y = y + rank / cluster.x % cluster.y;
+                blockIdx.z = z + rank / (cluster.x * cluster.y);
                 swapcontext(&scheduler, &contexts[t]);
                 ran = true;
             }
-            for (unsigned t = 0; t < block; ++t) live = live || !finished[t];
+            for (unsigned t = 0; t < threads; ++t) live = live || !finished[t];
             if (!live) break;
-            if (!open_barriers(block) && !ran) {
-                fprintf(stderr, "cuda_on_cpu: workgroup (%u, %u, %u) stuck: its threads wait at "
-                        "barriers that cannot open\n", x, y, z);
+            if (!open_barriers(threads, block) && !ran) {
+                fprintf(stderr, "cuda_on_cpu: workgroup (%u, %u, %u)'s cluster stuck: its threads "
+                        "wait at barriers that cannot open\n", x, y, z);
                 abort();
             }
         }
     }
+    cluster_shared.clear();
 }
 
 // Warp operations of a group of `width` threads (CUDA's, at the width given), by exchange.
@@ -198,8 +280,7 @@ static int __ffs(int x) { return __builtin_ffs(x); }
 // between two barriers of the warp, then each lane computes what the instruction gives it.
 // Shared memory is the library's statics; a "shared address" is a 32-bit offset from
 // shared_base, 2 GiB below one of them (all statics of the library lie within that).
-static unsigned lane_words[1024][8];
-static char shared_anchor;
+static unsigned lane_words[16 * 1024][8];  // up to a cluster of 16 workgroups of 1024
 static const uintptr_t shared_base = (uintptr_t)&shared_anchor - 0x80000000u;
 static unsigned __cvta_generic_to_shared(const void* p) { return (unsigned)((uintptr_t)p - shared_base); }
 static const char* shared_at(unsigned address) { return (const char*)(shared_base + address); }
@@ -273,6 +354,21 @@ static void cupa_cpu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsi
         d[e] = acc;
     }
     cupa_cpu_sync_group(32);
+}
+
+// mapa.shared::cluster and ld.shared::cluster: a remote address is the block's rank in bits
+// 24-30 over the byte's offset in a block's copy of the shared ranges, bit 31 set.
+static unsigned cupa_cpu_cluster_address(unsigned local, int rank) {
+    return 0x80000000u | (unsigned)rank << 24 | (unsigned)shared_offset_of(shared_at(local));
+}
+static const char* cupa_cpu_cluster_byte(unsigned address) {
+    return shared_of_block((int)(address >> 24 & 0x7fu), address & 0xffffffu);
+}
+static float cupa_cpu_cluster_load(unsigned address) {
+    float x; memcpy(&x, cupa_cpu_cluster_byte(address), 4); return x;
+}
+static void cupa_cpu_cluster_load4(unsigned address, float* x) {
+    memcpy(x, cupa_cpu_cluster_byte(address), 16);
 }
 
 // prmt.b32 (default mode): result byte i is byte (selector nibble i & 7) of {b, a}, or with the
@@ -354,16 +450,18 @@ def _expanded(source: str, defines: tuple) -> str:
 
 
 def _entry_points(expanded: str) -> tuple[str, list]:
-    """C++ wrappers run_<kernel>(grid x, y, z, block, dynamic shared bytes, params) and each
-    kernel's parameter types."""
+    """C++ wrappers run_<kernel>(grid x, y, z, block, dynamic shared bytes, cluster x, y, z,
+    params) and each kernel's parameter types."""
     wrappers, signatures = [], []
     for name, params in _KERNEL.findall(expanded):
         params = [p.strip() for p in params.split(",")]
         names = [p.split()[-1].lstrip("*") for p in params]
         wrappers.append(f'extern "C" __attribute__((visibility("default"))) void run_{name}('
                         f'unsigned gx, unsigned gy, unsigned gz, unsigned block, unsigned shared, '
-                        f'{", ".join(params)}) {{ cupa_cpu_dynamic_shared_bytes = shared; '
-                        f'launch(Dim3{{gx, gy, gz}}, block, [&] {{ {name}({", ".join(names)}); }}); }}')
+                        f'unsigned cx, unsigned cy, unsigned cz, {", ".join(params)}) {{ '
+                        f'cupa_cpu_dynamic_shared_bytes = shared; '
+                        f'launch(Dim3{{gx, gy, gz}}, block, Dim3{{cx, cy, cz}}, '
+                        f'[&] {{ {name}({", ".join(names)}); }}); }}')
         signatures.append((name, params))
     return "\n".join(wrappers), signatures
 
@@ -386,19 +484,21 @@ class CpuKernel:
     def __init__(self, function, params):
         self.function, self.name = function, function.__name__
         self.params = params
-        function.argtypes = [ctypes.c_uint] * 5 + [_argtype(p) for p in params]
+        function.argtypes = [ctypes.c_uint] * 8 + [_argtype(p) for p in params]
         function.restype = None
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def __call__(self, grid, block, args, shared_mem=0, cluster=(1, 1, 1)):
         """grid: up to three dimensions; args: numpy arrays (their addresses), None (a null
         pointer) and scalars, one per parameter; shared_mem: the dynamic shared bytes (at most
-        CUPA_CPU_DYNAMIC_SHARED_BYTES)."""
+        CUPA_CPU_DYNAMIC_SHARED_BYTES); cluster: the thread-block cluster's dimensions (its
+        workgroups run together, each with its own shared memory)."""
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
         values = [a.ctypes.data if isinstance(a, np.ndarray) else None if a is None else
                   int(a) if isinstance(a, (np.integer, int)) else float(a) for a in args]
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        self.function(gx, gy, gz, block[0], shared_mem, *values)
+        cx, cy, cz = (tuple(cluster) + (1, 1))[:3]
+        self.function(gx, gy, gz, block[0], shared_mem, cx, cy, cz, *values)
 
 
 # Hidden symbols: builds for different targets share kernel names, and a process that loads
@@ -432,8 +532,23 @@ def _library(source: str, defines: tuple = ("-D__HIP__",), flags: tuple = ()):
         subprocess.run([*command, str(own_code), "-o", str(own_library)], check=True)
         own_library.replace(library)
     loaded = ctypes.CDLL(str(library))
+    _register_shared(loaded, library)
     return {name: CpuKernel(getattr(loaded, f"run_{name}"), params)
             for name, params in signatures}
+
+
+def _register_shared(loaded, library: Path) -> None:
+    """Tell the library where its kernels' __shared__ variables are, for the clusters: its
+    local data symbols in namespace cupa (function-local statics, _ZZN4cupa...: the kernels
+    have no statics but their shared memory)."""
+    listing = subprocess.run(["nm", "--defined-only", "-S", str(library)], capture_output=True,
+                             text=True, check=True).stdout
+    ranges = [(int(address, 16), int(size, 16)) for address, size, kind, name in
+              (line.split() for line in listing.splitlines() if len(line.split()) == 4)
+              if kind in "bd" and name.startswith("_ZZN4cupa")]
+    addresses = (ctypes.c_ulong * len(ranges))(*(a for a, _ in ranges))
+    sizes = (ctypes.c_ulong * len(ranges))(*(n for _, n in ranges))
+    loaded.cupa_cpu_register_shared(addresses, sizes, len(ranges))
 
 
 def _sanitizer_flags(sanitize: bool) -> tuple:

@@ -5,8 +5,8 @@ fp8 conversion) the runner's shim carries out lane by lane; compiled by the host
 with CUPA_CPU=1, its threads run as coroutines by tests/helpers/cuda_on_cpu.py. The plan, the
 grid and every argument come from cupa itself (gpu.planner.make_plan, gpu.launch.partition_launch
 and reduce_launch), so what runs is what the GPU would be asked to run: phase 1, then the reduce
-where the plan has one. No thread-block clusters: NVIDIA plans merge by the reduce here, and
-chained launches run one after another.
+where the plan has one, or the cluster merge (a cluster's workgroups run together, each with
+its own shared memory); chained launches run one after another.
 
 What this shows: the kernels' indexing, masking and merging, their warp and wavefront
 collectives and the matrix instructions' operand layouts, on any machine. What it cannot: the
@@ -80,11 +80,9 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
         max_seq_len, total_seq_len = int(seq_lens.max(initial=1)), int(seq_lens.sum())
     else:
         total_seq_len = None
-    # The CPU runs no thread-block clusters: NVIDIA plans merge by the reduce launch here.
-    with dispatch.switches_set({"CUPA_MERGE": "reduce"}):
-        plan = make_plan(shape, MULTIPROCESSORS, arch=arch, partition_size=partition_size,
-                         max_seq_len=max_seq_len, total_seq_len=total_seq_len,
-                         max_query_len=new_tokens)
+    plan = make_plan(shape, MULTIPROCESSORS, arch=arch, partition_size=partition_size,
+                     max_seq_len=max_seq_len, total_seq_len=total_seq_len,
+                     max_query_len=new_tokens)
     target = Target(arch, emulated=arch.startswith("gfx"))
     defines = tuple(target.defines()) + ("-DCUPA_CPU=1",)
     kernels = cpu_kernels(catalogue.module_source(plan.variant), defines, sanitize=sanitize)
@@ -110,8 +108,9 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                     for name, array in pointers.items()}
         out, lse = pointers["out"], pointers["lse"]
     grid, block, scalars = partition_launch(plan, shape, MULTIPROCESSORS)
+    cluster = (1, plan.max_partitions, 1) if plan.cluster_merge else (1, 1, 1)
     kernels[plan.variant.partition_name](grid, block, [*pointers.values(), *scalars],
-                                         shared_mem=plan.variant.shared_bytes)
+                                         shared_mem=plan.variant.shared_bytes, cluster=cluster)
     if plan.reduce_launch:
         grid, block, scalars = reduce_launch(plan, shape)
         reduce_pointers = [pointers[PARTITION_POINTERS[i]] for i in REDUCE_POINTERS]

@@ -165,13 +165,14 @@ def reference_without_bad_blocks(query, key, value, tables, clamped):
 def test_decode_leaves_bad_block_ids_out_and_clamps_lengths(rng, tmp_path, arch, kernel,
                                                             placement):
     """The matrix-core (AMD) or tensor-core (NVIDIA) kernel (auto) and the portable one,
-    planned in 64-token partitions (phase 1 and the reduce) for device tables, as cupa.decode
-    plans them."""
+    planned in 64-token partitions for device tables, as cupa.decode plans them: merged by the
+    reduce, or on sm_90's tensor-core kernel within thread-block clusters."""
     query, key, value, tables, lengths, clamped = hostile_tables(rng)
     query, key, value = (a.astype(np.float16) for a in (query, key, value))
+    merge = "cluster" if (arch, kernel) == ("sm_90", "auto") else "reduce"
     result = run_sanitized({
         "kind": "decode", "arch": arch, "placement": placement,
-        "environ": {"CUPA_KERNEL": kernel},
+        "environ": {"CUPA_KERNEL": kernel, "CUPA_MERGE": merge},
         "arrays": dict(query=query, key_cache=key, value_cache=value, block_tables=tables,
                        seq_lens=lengths),
         "options": dict(partition_size=PARTITION, max_seq_len=WIDTH * BLOCK_SIZE,

@@ -4,10 +4,11 @@ the sm_80 and sm_90 builds, their mma.sync, ldmatrix, movmatrix, cp.async, prmt 
 conversions carried out by the runner's shim, planned and launched with cupa's own planner and
 arguments, against the float64 reference.
 
-So CI checks the kernels NVIDIA GPUs run, in sessions that have no GPU. What this cannot show:
-the tensor cores' own rounding, the copies' asynchrony (a copy lands at once here, so a
-missing wait goes unseen), thread-block clusters (plans merge by the reduce launch here) and
-chained launches; the GPU suite shows those.
+So CI checks the kernels NVIDIA GPUs run, in sessions that have no GPU. A cp.async copy lands
+only at its thread's wait (poison until then), and a thread-block cluster's workgroups run
+together, each with its own shared memory, for the cluster merge. What this cannot show: the
+tensor cores' own rounding, the hardware's timing and memory ordering, and chained launches
+(they run one after another here); the GPU suite shows those.
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def test_tensor_core_kernels(rng, arch, form, head_size, group, new_tokens):
                                    partition_size=partition_size)
         assert isinstance(result.plan.variant, DecodeMmaVariant)
         check(result, case, REL_BOUND[dtype])
+
+
+@pytest.mark.parametrize("head_size, group, new_tokens", [(128, 8, None), (64, 16, None),
+                                                      (256, 4, 2)])
+def test_cluster_merge(rng, head_size, group, new_tokens):
+    """sm_90's merge within thread-block clusters (distributed shared memory): 64-token
+    partitions make clusters of 15 workgroups, 128-token ones of 8."""
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group,
+                     seq_lens=(0, 1, 37, 300, 900), new_tokens=new_tokens)
+    for partition_size in (64, 128):
+        with environ(CUPA_MERGE="cluster"):
+            result = decode_on_cpu("sm_90", *case.args(), **case.options(),
+                                   partition_size=partition_size)
+        assert result.plan.cluster_merge and result.plan.max_partitions > 1
+        check(result, case, REL_BOUND["float16"])
 
 
 @pytest.mark.parametrize("arch", TARGETS)

@@ -49,6 +49,8 @@ CUPA_FN void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n"
                  "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#elif CUPA_CPU
+    cupa_cpu_cluster_sync();
 #else
     __trap();  // the host launches clusters on sm_90+ only
 #endif
@@ -84,6 +86,8 @@ CUPA_FN u32 cluster_address(u32 local, int rank) {
     u32 remote = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+#elif CUPA_CPU
+    remote = cupa_cpu_cluster_address(local, rank);
 #endif
     return remote;
 }
@@ -91,6 +95,8 @@ CUPA_FN float cluster_load(u32 address) {
     float x = 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(address) : "memory");
+#elif CUPA_CPU
+    x = cupa_cpu_cluster_load(address);
 #endif
     return x;
 }
@@ -98,6 +104,8 @@ CUPA_FN void cluster_load4(u32 address, float* x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                  : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(address) : "memory");
+#elif CUPA_CPU
+    cupa_cpu_cluster_load4(address, x);
 #endif
 }
 

@@ -26,7 +26,7 @@ CUPA_FN void commit_copies() { cupa_cpu_commit_copies(); }
 template <int PENDING> CUPA_FN void wait_copies() { cupa_cpu_wait_copies(PENDING); }
 CUPA_FN u32 dynamic_shared_bytes() { return cupa_cpu_dynamic_shared_bytes; }
 // The workgroup's dynamic shared memory: a static of the largest size on the CPU.
-#define CUPA_DYNAMIC_SHARED(name) static cupa_u32x4 name[CUPA_CPU_DYNAMIC_SHARED_BYTES / 16]
+#define CUPA_DYNAMIC_SHARED(name) __shared__ cupa_u32x4 name[CUPA_CPU_DYNAMIC_SHARED_BYTES / 16]
 #else
 #define CUPA_DYNAMIC_SHARED(name) extern __shared__ cupa_u32x4 name[]
 CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
