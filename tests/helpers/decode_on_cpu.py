@@ -26,10 +26,12 @@ from cupa.gpu.device import Target
 from cupa.gpu.launch import (PARTITION_POINTERS, REDUCE_POINTERS, kv_scale_factors,
                              partition_launch, reduce_launch)
 from cupa.gpu.planner import make_plan
+from cupa.reference import paged_decode_reference
 from cupa.problem import default_max_query_len
 from cupa.validation import check_decode_args
-from cases import rel_error
+from cases import environ, rel_error
 from cuda_on_cpu import cpu_kernels
+from fuzz_draws import compare, draw, fresh_seed, problem
 
 # A small device: grids of a few waves from small problems (the planner splits for it).
 MULTIPROCESSORS = 4
@@ -123,7 +125,6 @@ def selftest_runner(arch: str):
     `arch` as selftest.run_on_gpu decodes it on a device (planned, then in 256-token
     partitions; the kernel planned must be the case's)."""
     from cupa import selftest
-    from cupa.reference import paged_decode_reference
 
     def run(case, rng):
         problem = selftest.make_problem(case, rng)
@@ -146,3 +147,39 @@ def selftest_runner(arch: str):
             outcome.errors[label] = rel_error(out, ref) if np.isfinite(out).all() else np.nan
         return outcome
     return run
+
+
+def check_result(result: CpuDecode, case, bound, reference_caches=None):
+    """A CPU run of `case` (cases.make_case) against the reference: every output written,
+    ||out - ref|| / ||ref|| within `bound`, the log-sum-exp likewise (-inf exactly where the
+    reference has it: empty rows without sinks). reference_caches: the dequantised caches of
+    an fp8 case."""
+    key_cache, value_cache = reference_caches or (case.key_cache, case.value_cache)
+    ref, ref_lse = paged_decode_reference(case.query, key_cache, value_cache,
+                                          case.block_tables, case.seq_lens, **case.options())
+    assert np.isfinite(result.out.astype(np.float32)).all(), result.plan.variant
+    assert rel_error(result.out, ref) < bound, result.plan.variant
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(result.lse), finite)
+    assert rel_error(result.lse[finite], ref_lse[finite]) < bound
+    assert (result.lse[~finite] == -np.inf).all()
+
+
+def check_fuzz_draws(targets: tuple, count: int):
+    """`count` of the GPU fuzz's random configurations (tests/helpers/fuzz_draws.py), each at a
+    random one of `targets`, against the reference; a fresh seed a run, printed
+    (CUPA_FUZZ_SEED=<seed> replays one). Fails with every configuration that did."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    failures = []
+    for _ in range(count):
+        d, arch = draw(rng), str(rng.choice(targets))
+        p = problem(d)
+        with environ(CUPA_KERNEL=d.kernel):
+            result = decode_on_cpu(arch, *p.args, **p.case.options(), **p.fp8,
+                                   partition_size=d.partition_size)
+        found = compare(p, result.out, result.lse)
+        if found is not None:
+            failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
+    assert not failures, (f"{len(failures)} of {count} configurations failed (seed {seed}):\n"
+                          + "\n".join(failures))

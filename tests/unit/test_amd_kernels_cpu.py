@@ -20,33 +20,17 @@ import pytest
 
 from cupa import selftest
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
-from cupa.reference import paged_decode_reference
 
-from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
+from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import decode_on_cpu, selftest_runner
-from fuzz_draws import compare, draw, fresh_seed, problem
+from decode_on_cpu import check_fuzz_draws, check_result, decode_on_cpu, selftest_runner
+from fuzz_draws import fresh_seed
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
 
 TARGETS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
 LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
-
-
-def check(result, case, bound, reference_caches=None):
-    """The CPU run against the reference: ||out - ref|| / ||ref|| within `bound`, the
-    log-sum-exp likewise (-inf exactly where the reference has it: empty rows without sinks),
-    and every output written."""
-    key_cache, value_cache = reference_caches or (case.key_cache, case.value_cache)
-    ref, ref_lse = paged_decode_reference(case.query, key_cache, value_cache,
-                                          case.block_tables, case.seq_lens, **case.options())
-    assert np.isfinite(result.out.astype(np.float32)).all()
-    assert rel_error(result.out, ref) < bound
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(np.isfinite(result.lse), finite)
-    assert rel_error(result.lse[finite], ref_lse[finite]) < bound
-    assert (result.lse[~finite] == -np.inf).all()
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -59,7 +43,7 @@ def test_matrix_kernel_gqa8(rng, arch, dtype, partition_size):
     result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=partition_size)
     assert isinstance(result.plan.variant, DecodeMatrixVariant)
     assert result.plan.reduce_launch
-    check(result, case, REL_BOUND[dtype])
+    check_result(result, case, REL_BOUND[dtype])
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -71,7 +55,7 @@ def test_matrix_kernel_head_sizes_and_groups(rng, arch, head_size, group):
     case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
     result = decode_on_cpu(arch, *case.args(), **case.options())
     assert isinstance(result.plan.variant, DecodeMatrixVariant)
-    check(result, case, REL_BOUND["float16"])
+    check_result(result, case, REL_BOUND["float16"])
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -83,7 +67,7 @@ def test_matrix_kernel_two_row_tiles(rng, arch):
                          new_tokens=new_tokens)
         result = decode_on_cpu(arch, *case.args(), **case.options())
         assert isinstance(result.plan.variant, DecodeMatrixVariant)
-        check(result, case, REL_BOUND["float16"])
+        check_result(result, case, REL_BOUND["float16"])
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -93,7 +77,7 @@ def test_matrix_kernel_options(rng, arch):
                      sliding_window=70, logits_soft_cap=20.0, sinks=True)
     result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
     assert isinstance(result.plan.variant, DecodeMatrixVariant)
-    check(result, case, REL_BOUND["float16"])
+    check_result(result, case, REL_BOUND["float16"])
 
 
 # The fp8 formats each target reads: e4m3fnuz by gfx942's own conversion, OCP e4m3 by gfx1201's;
@@ -113,7 +97,7 @@ def test_matrix_kernel_fp8_cache(rng, arch, fmt, head_size):
                            case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
                            v_scale=v_scale)
     assert isinstance(result.plan.variant, DecodeMatrixVariant)
-    check(result, case, FP8_REL_BOUND, reference_caches=dequantized)
+    check_result(result, case, FP8_REL_BOUND, reference_caches=dequantized)
 
 
 @pytest.mark.parametrize("arch, dtype, head_size, kernel", [
@@ -127,7 +111,7 @@ def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size, kernel):
     with environ(CUPA_KERNEL=kernel):
         result = decode_on_cpu(arch, *case.args(), **case.options())
     assert isinstance(result.plan.variant, DecodeVariant)
-    check(result, case, REL_BOUND[dtype])
+    check_result(result, case, REL_BOUND[dtype])
 
 
 FUZZ_DRAWS = 24  # about half a minute, the builds included
@@ -138,20 +122,7 @@ def test_fuzz_on_amd_targets():
     head sizes, GQA ratios, block sizes 8 to 32, features, new tokens, lengths at block and
     partition edges, partition sizes, the portable kernel forced now and then) at a random AMD
     target each. A fresh seed a run, printed; CUPA_FUZZ_SEED=<seed> replays one."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    failures = []
-    for _ in range(FUZZ_DRAWS):
-        d, arch = draw(rng), str(rng.choice(TARGETS))
-        p = problem(d)
-        with environ(CUPA_KERNEL=d.kernel):
-            result = decode_on_cpu(arch, *p.args, **p.case.options(), **p.fp8,
-                                   partition_size=d.partition_size)
-        found = compare(p, result.out, result.lse)
-        if found is not None:
-            failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
-    assert not failures, (f"{len(failures)} of {FUZZ_DRAWS} configurations failed (seed {seed})"
-                          ":\n" + "\n".join(failures))
+    check_fuzz_draws(TARGETS, FUZZ_DRAWS)
 
 
 SELFTEST_SAMPLE = 12  # cases a target a run (CUPA_SELFTEST_CPU_CASES=all: every one, ~80 s each)

@@ -13,36 +13,20 @@ tensor cores' own rounding, the hardware's timing and memory ordering, and chain
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from cupa.gpu import dispatch
 from cupa.gpu.catalogue import DecodeMmaVariant
-from cupa.reference import paged_decode_reference
 
-from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
+from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import decode_on_cpu
-from fuzz_draws import compare, draw, fresh_seed, problem
+from decode_on_cpu import check_fuzz_draws, check_result, decode_on_cpu
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
 
 TARGETS = ("sm_80", "sm_90")
 LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
-
-
-def check(result, case, bound, reference_caches=None):
-    """Every output written and within `bound` of the reference; the log-sum-exp likewise
-    (-inf exactly where the reference has it)."""
-    key_cache, value_cache = reference_caches or (case.key_cache, case.value_cache)
-    ref, ref_lse = paged_decode_reference(case.query, key_cache, value_cache,
-                                          case.block_tables, case.seq_lens, **case.options())
-    assert np.isfinite(result.out.astype(np.float32)).all(), result.plan.variant
-    assert rel_error(result.out, ref) < bound, result.plan.variant
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(np.isfinite(result.lse), finite)
-    assert rel_error(result.lse[finite], ref_lse[finite]) < bound
 
 
 # (form, head size, group, new tokens): the form's switches (dispatch.FORM_SWITCHES) make the
@@ -66,7 +50,7 @@ def test_tensor_core_kernels(rng, arch, form, head_size, group, new_tokens):
             result = decode_on_cpu(arch, *case.args(), **case.options(),
                                    partition_size=partition_size)
         assert isinstance(result.plan.variant, DecodeMmaVariant)
-        check(result, case, REL_BOUND[dtype])
+        check_result(result, case, REL_BOUND[dtype])
 
 
 @pytest.mark.parametrize("head_size, group, new_tokens", [(128, 8, None), (64, 16, None),
@@ -81,7 +65,7 @@ def test_cluster_merge(rng, head_size, group, new_tokens):
             result = decode_on_cpu("sm_90", *case.args(), **case.options(),
                                    partition_size=partition_size)
         assert result.plan.cluster_merge and result.plan.max_partitions > 1
-        check(result, case, REL_BOUND["float16"])
+        check_result(result, case, REL_BOUND["float16"])
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -91,7 +75,7 @@ def test_tensor_core_kernels_options(rng, arch):
                      sliding_window=70, logits_soft_cap=20.0, sinks=True)
     result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
     assert isinstance(result.plan.variant, DecodeMmaVariant)
-    check(result, case, REL_BOUND["float16"])
+    check_result(result, case, REL_BOUND["float16"])
 
 
 # OCP e4m3 widens by the hardware conversion on sm_89+ (the shim's exact one here), e4m3fnuz and
@@ -107,7 +91,7 @@ def test_tensor_core_kernels_fp8_cache(rng, arch, fmt, head_size, group):
                            case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
                            v_scale=v_scale)
     assert isinstance(result.plan.variant, DecodeMmaVariant)
-    check(result, case, FP8_REL_BOUND, reference_caches=dequantized)
+    check_result(result, case, FP8_REL_BOUND, reference_caches=dequantized)
 
 
 FUZZ_DRAWS = 16
@@ -117,17 +101,4 @@ def test_fuzz_on_nvidia_targets():
     """The GPU fuzz's random configurations (tests/helpers/fuzz_draws.py) at sm_80 or sm_90
     each, the portable kernel now and then. A fresh seed a run, printed;
     CUPA_FUZZ_SEED=<seed> replays one."""
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    failures = []
-    for _ in range(FUZZ_DRAWS):
-        d, arch = draw(rng), str(rng.choice(TARGETS))
-        p = problem(d)
-        with environ(CUPA_KERNEL=d.kernel):
-            result = decode_on_cpu(arch, *p.args, **p.case.options(), **p.fp8,
-                                   partition_size=d.partition_size)
-        found = compare(p, result.out, result.lse)
-        if found is not None:
-            failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
-    assert not failures, (f"{len(failures)} of {FUZZ_DRAWS} configurations failed (seed {seed})"
-                          ":\n" + "\n".join(failures))
+    check_fuzz_draws(TARGETS, FUZZ_DRAWS)
