@@ -5,17 +5,20 @@ tested without a GPU.
 
 The source is compiled with the host C++ compiler after a shim for the CUDA built-ins it uses:
 threadIdx / blockIdx (three-dimensional grids), blockDim / gridDim, __shared__ (a static: the
-workgroups of a launch run one after another), __syncthreads, the warp shuffles and ballot, and
-cupa_cpu_sync_group, the barrier of a warp or an AMD wavefront (amd_emulation.cuh's wave_sync
-under CUPA_CPU). A workgroup's threads are coroutines that switch at each barrier; the shuffles
-exchange through one word a thread between two barriers of their group, and the tensor-core
-instructions the NVIDIA kernels call under CUPA_CPU (cupa_cpu_mma_m16n8k16, cupa_cpu_ldmatrix,
-cupa_cpu_movmatrix) through eight words a lane, each lane then computing its own part by the
-PTX ISA's fragment layouts. The fused kernels take
-their source's HIP branch (`_Float16`, which the host compiler has too); the decode kernels are
-built with CUPA_CPU=1 (kernels/common.cuh). Each kernel gets a `run_<name>(grid, block, args...)`
-entry point, called like a cupy RawKernel, `kernel(grid, block, args)`, on numpy arrays (their
-host addresses are the pointers).
+workgroups of a launch run one after another; those of a thread-block cluster together, the
+runner swapping each one's copy of the statics in as it moves between them), __syncthreads,
+the warp shuffles and ballot, and cupa_cpu_sync_group, the barrier of a warp or an AMD
+wavefront (amd_emulation.cuh's wave_sync under CUPA_CPU). A workgroup's threads are coroutines
+that switch at each barrier; the shuffles exchange through one word a thread between two
+barriers of their group, and the tensor-core instructions the NVIDIA kernels call under
+CUPA_CPU (cupa_cpu_mma_m16n8k16, cupa_cpu_ldmatrix, cupa_cpu_movmatrix) through eight words a
+lane, each lane then computing its own part by the PTX ISA's fragment layouts. The fused
+kernels take their source's HIP branch (`_Float16`, which the host compiler has too); the
+decode kernels are built with CUPA_CPU=1 (kernels/common.cuh). Each kernel gets a
+`run_<name>(grid, block, dynamic shared bytes, cluster, args...)` entry point, called like a
+cupy RawKernel, `kernel(grid, block, args, shared_mem=..., cluster=...)`, on numpy arrays
+(their host addresses are the pointers). SANITIZE builds under AddressSanitizer and
+UndefinedBehaviorSanitizer (tests/helpers/sanitized_run.py).
 
 What this cannot show: anything about the GPU itself (warp scheduling, memory ordering beyond
 the barriers, the device's own exp2 / expf / cosf, fused multiply-adds where the source leaves
@@ -44,6 +47,7 @@ SHIM = r"""
 #include <cstdint>
 #include <cstring>
 #include <dlfcn.h>
+#include <algorithm>
 #include <functional>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -100,7 +104,8 @@ static int resident_block = -1;  // the cluster's block whose shared memory the 
 static void make_resident(int rank) {
     if (cluster_shared.size() < 2 || rank == resident_block) return;
     for (const SharedRange& r : shared_ranges) {
-        if (resident_block >= 0) memcpy(cluster_shared[resident_block].data() + r.offset, r.start, r.bytes);
+        if (resident_block >= 0)
+            memcpy(cluster_shared[resident_block].data() + r.offset, r.start, r.bytes);
         memcpy(r.start, cluster_shared[rank].data() + r.offset, r.bytes);
     }
     resident_block = rank;
@@ -109,7 +114,8 @@ static void make_resident(int rank) {
 static const char* shared_of_block(int rank, size_t offset) {
     if (rank == resident_block || cluster_shared.size() < 2) {
         for (const SharedRange& r : shared_ranges)
-            if (offset >= r.offset && offset < r.offset + r.bytes) return r.start + (offset - r.offset);
+            if (offset >= r.offset && offset < r.offset + r.bytes)
+                return r.start + (offset - r.offset);
         fprintf(stderr, "cuda_on_cpu: no shared range at offset %zu\n", offset);
         abort();
     }
@@ -184,6 +190,30 @@ static char* thread_stacks(size_t bytes) {
     return stacks;
 }
 
+// The order a pass runs the threads in: by index, or by CUPA_CPU_SCHEDULE, read at each launch:
+// "reverse", or a number that seeds a fresh random order for every pass. Between two barriers
+// the threads' segments run one after another in that order, so a kernel whose results change
+// with the order reads what another thread writes without a barrier between: a race.
+static unsigned long long schedule_state;
+static int schedule_mode;  // 0 by index, 1 reversed, 2 random
+static void read_schedule() {
+    const char* value = getenv("CUPA_CPU_SCHEDULE");
+    schedule_mode = 0;
+    if (value == nullptr || *value == 0) return;
+    if (strcmp(value, "reverse") == 0) { schedule_mode = 1; return; }
+    schedule_mode = 2;
+    schedule_state = strtoull(value, nullptr, 10) * 2654435761ULL + 1;
+}
+static void schedule_order(std::vector<unsigned>& order) {
+    for (unsigned t = 0; t < order.size(); ++t) order[t] = t;
+    if (schedule_mode == 1) std::reverse(order.begin(), order.end());
+    if (schedule_mode == 2)
+        for (size_t i = order.size(); i > 1; --i) {  // Fisher-Yates by a 64-bit LCG
+            schedule_state = schedule_state * 6364136223846793005ULL + 1442695040888963407ULL;
+            std::swap(order[i - 1], order[(schedule_state >> 33) % i]);
+        }
+}
+
 // Runs `body` over `grid` in workgroups of `block` threads, the workgroups of each cluster of
 // `cluster` together (all of them, or one at a time without clusters).
 template <typename F> static void launch(Dim3 grid, unsigned block, Dim3 cluster, F body) {
@@ -195,6 +225,8 @@ template <typename F> static void launch(Dim3 grid, unsigned block, Dim3 cluster
     kernel_body = body;
     contexts.assign(threads, ucontext_t());
     exchange_words.assign(threads, 0u);
+    std::vector<unsigned> order(threads);
+    read_schedule();
     for (unsigned z = 0; z < grid.z; z += cluster.z)
     for (unsigned y = 0; y < grid.y; y += cluster.y)
     for (unsigned x = 0; x < grid.x; x += cluster.x) {
@@ -213,7 +245,8 @@ template <typename F> static void launch(Dim3 grid, unsigned block, Dim3 cluster
         }
         for (;;) {
             bool ran = false, live = false;
-            for (unsigned t = 0; t < threads; ++t) {
+            schedule_order(order);
+            for (unsigned t : order) {
                 if (finished[t] || waiting[t] != RUNNABLE) continue;
                 const unsigned rank = t / block;  // x fastest within the cluster
                 make_resident((int)rank);
@@ -282,13 +315,17 @@ static int __ffs(int x) { return __builtin_ffs(x); }
 // shared_base, 2 GiB below one of them (all statics of the library lie within that).
 static unsigned lane_words[16 * 1024][8];  // up to a cluster of 16 workgroups of 1024
 static const uintptr_t shared_base = (uintptr_t)&shared_anchor - 0x80000000u;
-static unsigned __cvta_generic_to_shared(const void* p) { return (unsigned)((uintptr_t)p - shared_base); }
+static unsigned __cvta_generic_to_shared(const void* p) {
+    return (unsigned)((uintptr_t)p - shared_base);
+}
 static const char* shared_at(unsigned address) { return (const char*)(shared_base + address); }
 static void __trap() { fprintf(stderr, "cuda_on_cpu: __trap()\n"); abort(); }
 #define CUPA_CPU_DYNAMIC_SHARED_BYTES 232448  // sm_90's most
 static unsigned cupa_cpu_dynamic_shared_bytes;  // the launch's
 static unsigned cupa_cpu_lane() { return running % 32; }
-static unsigned cupa_cpu_word_of(unsigned lane, int i) { return lane_words[running / 32 * 32 + lane][i]; }
+static unsigned cupa_cpu_word_of(unsigned lane, int i) {  // word i of `lane` of this warp
+    return lane_words[running / 32 * 32 + lane][i];
+}
 
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8i .. 8i + 7 give the rows of
 // matrix i; lane (g, c) = (lane / 4, lane % 4) receives row g's 16-bit columns 2c, 2c + 1 (or,
@@ -333,8 +370,10 @@ static float cupa_cpu_half(unsigned bits16, bool bf16) {
 
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D = A B + D, A 16 x 16, B 16 x 8. Lane
 // (g, c): a = A[g][2c..], A[g + 8][2c..], A[g][2c + 8..], A[g + 8][2c + 8..] (pairs, low half
-// first); b = B[2c..][g], B[2c + 8..][g]; d = D[g][2c], D[g][2c + 1], D[g + 8][2c], D[g + 8][2c + 1].
-static void cupa_cpu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned b1, bool bf16) {
+// first); b = B[2c..][g], B[2c + 8..][g]; d = D[g][2c], D[g][2c + 1], D[g + 8][2c],
+// D[g + 8][2c + 1].
+static void cupa_cpu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned b1,
+                                  bool bf16) {
     const unsigned lane = cupa_cpu_lane(), g = lane / 4, c = lane % 4;
     unsigned* mine = lane_words[running];
     mine[0] = a[0]; mine[1] = a[1]; mine[2] = a[2]; mine[3] = a[3]; mine[4] = b0; mine[5] = b1;
@@ -385,7 +424,8 @@ static unsigned cupa_cpu_prmt(unsigned a, unsigned b, unsigned selector) {
     return r;
 }
 
-// cvt.rn.f16x2.e4m3x2: two OCP e4m3fn codes as float16 (exact; 0x7f / 0xff NaN), lo in the low half.
+// cvt.rn.f16x2.e4m3x2: two OCP e4m3fn codes as float16 (exact; 0x7f / 0xff NaN), lo in the
+// low half.
 static unsigned cupa_cpu_e4m3x2(unsigned lo, unsigned hi) {
     auto widen = [](unsigned code) -> unsigned {
         const unsigned sign = code >> 7, exponent = code >> 3 & 0xfu, mantissa = code & 7u;

@@ -1,7 +1,8 @@
 """cupa's kernels built for the CPU (the AMD targets' emulated builds and the NVIDIA targets'
-own) under AddressSanitizer and UndefinedBehaviorSanitizer, every array in guarded memory (tests/helpers/sanitized_run.py, guarded_memory.py): a read or
-write outside an array the kernel was given, an overrun of shared memory or the stack, a signed
-overflow or an out-of-range shift fails the test with the sanitizer's report.
+own) under AddressSanitizer and UndefinedBehaviorSanitizer, every array in guarded memory
+(tests/helpers/sanitized_run.py, guarded_memory.py): a read or write outside an array the
+kernel was given, an overrun of shared memory or the stack, a signed overflow or an
+out-of-range shift fails the test with the sanitizer's report.
 
 The inputs are the ones no host check sees, because device tables are never read back: block
 ids outside [0, num_blocks) in the used columns of a table, lengths past the table's capacity or

@@ -20,8 +20,12 @@ namespace cupa {
 // 16 (4) bytes global -> shared; with valid == false nothing is read and the bytes are zeroed.
 // The CPU build (cuda_on_cpu's shim) lands a copy at its thread's wait, poison until then.
 #if CUPA_CPU
-CUPA_FN void copy16_async(void* dst, const void* src, bool valid) { cupa_cpu_copy(dst, src, valid ? 16 : 0, 16); }
-CUPA_FN void copy4_async(void* dst, const void* src, bool valid) { cupa_cpu_copy(dst, src, valid ? 4 : 0, 4); }
+CUPA_FN void copy16_async(void* dst, const void* src, bool valid) {
+    cupa_cpu_copy(dst, src, valid ? 16 : 0, 16);
+}
+CUPA_FN void copy4_async(void* dst, const void* src, bool valid) {
+    cupa_cpu_copy(dst, src, valid ? 4 : 0, 4);
+}
 CUPA_FN void commit_copies() { cupa_cpu_commit_copies(); }
 template <int PENDING> CUPA_FN void wait_copies() { cupa_cpu_wait_copies(PENDING); }
 CUPA_FN u32 dynamic_shared_bytes() { return cupa_cpu_dynamic_shared_bytes; }
