@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then benchmarks.
-# Usage: tools/device_run.sh [tests|emulated|bench|generate|all|breadth] [pytest args]
+# Usage: tools/device_run.sh [tests|emulated|emulated-sanitizer|bench|generate|all|breadth]
+#        [pytest args]
 #   generate: the example engine at 8 and 32 prompts, 512 -> 256, graphs and eager, one json
 #   emulated: the decode suites under the emulated AMD builds and the emulation's own tests:
 #             the portable kernel at gfx942 (wave64) and gfx1100 (wave32), the matrix-core
 #             kernel at gfx90a, gfx942 (MFMA), gfx1100 and gfx1201 (WMMA); CUPA_EMULATED_TARGETS
 #             picks entries ("gfx942", "gfx942:portable").
+#   emulated-sanitizer: compute-sanitizer's memcheck, racecheck and synccheck over
+#             tools/sanitizer_probe.py under the emulated builds of gfx942 and gfx1100, both at once
+#             (tests/gpu/test_gpu_sanitizer.py's emulated runs)
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present:
 # .whl/*.whl, or .whlx/*.tar.xz, the same wheels unpacked and xz-compressed (19 MB against 62 MiB,
 # for when the wheels no longer fit the device's 64 MiB carry beside the tree), made with
@@ -70,7 +74,7 @@ if [ "$what" = emulated ]; then
         python3 -m pytest -q -p no:cacheprovider --shard "$i/$shards" "$@" \
         tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_fp8_decode.py tests/gpu/test_gpu_multi_token.py \
         tests/gpu/test_gpu_cache.py tests/gpu/test_gpu_host_path.py tests/gpu/test_gpu_fuzz.py \
-        tests/gpu/test_gpu_selftest.py tests/gpu/test_gpu_sanitizer.py \
+        tests/gpu/test_gpu_selftest.py \
         > "$OUT/emulated_${name}_$i.log" 2>&1 &
     done
     wait
@@ -80,6 +84,18 @@ if [ "$what" = emulated ]; then
     done
     echo "== $name $(total_of "$OUT"/emulated_${name}_*.log | cut -c4-)"
     cat "$OUT"/emulated_${name}_*.log > "$OUT/emulated_${name}.log" && rm "$OUT"/emulated_${name}_*.log
+  done
+fi
+if [ "$what" = emulated-sanitizer ]; then
+  for target in gfx942 gfx1100; do
+    CUPA_EMULATE=$target CUPA_KERNEL=auto CUPA_REQUIRE_GPU=1 timeout ${CUPA_EMULATED_TIMEOUT:-400} \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_sanitizer.py "$@" \
+      > "$OUT/emulated_sanitizer_$target.log" 2>&1 &
+  done
+  wait
+  for target in gfx942 gfx1100; do
+    echo "== sanitizer at $target: $(grep -E "passed|failed|error" "$OUT/emulated_sanitizer_$target.log" | tail -1)"
+    grep -E "^(FAILED|ERROR)" "$OUT/emulated_sanitizer_$target.log" | head -5
   done
 fi
 if [ "$what" = generate ]; then

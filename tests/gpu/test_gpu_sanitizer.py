@@ -1,10 +1,10 @@
 """compute-sanitizer over every kernel family (tools/sanitizer_probe.py): 0 errors and 0 race
 hazards under each tool. Skips without a GPU or without compute-sanitizer (NVIDIA only).
 
-Under CUPA_EMULATE (tools/device_run.sh emulated) the probe runs the emulated AMD builds: at
-EMULATED_TARGETS, in the matrix-core pair's run (its portable pair would repeat it), under the
-tools that see what the emulation adds (wavefront exchanges through shared memory, named
-barriers): memcheck, racecheck and synccheck."""
+Under CUPA_EMULATE (tools/device_run.sh emulated-sanitizer) the probe runs the emulated AMD
+builds: at EMULATED_TARGETS with CUPA_KERNEL=auto (the probe runs the portable kernel itself),
+under the tools that see what the emulation adds (wavefront exchanges through shared memory,
+named barriers): memcheck, racecheck and synccheck."""
 
 from __future__ import annotations
 
