@@ -26,12 +26,12 @@ from cupa.gpu.device import Target
 from cupa.gpu.launch import (PARTITION_POINTERS, REDUCE_POINTERS, kv_scale_factors,
                              partition_launch, reduce_launch)
 from cupa.gpu.planner import make_plan
-from cupa.reference import paged_decode_reference
 from cupa.problem import default_max_query_len
+from cupa.reference import paged_decode_reference
 from cupa.validation import check_decode_args
 from cases import environ, rel_error
 from cuda_on_cpu import cpu_kernels
-from fuzz_draws import compare, draw, fresh_seed, problem
+import fuzz_draws
 
 # A small device: grids of a few waves from small problems (the planner splits for it).
 MULTIPROCESSORS = 4
@@ -169,16 +169,16 @@ def check_fuzz_draws(targets: tuple, count: int):
     """`count` of the GPU fuzz's random configurations (tests/helpers/fuzz_draws.py), each at a
     random one of `targets`, against the reference; a fresh seed a run, printed
     (CUPA_FUZZ_SEED=<seed> replays one). Fails with every configuration that did."""
-    seed = fresh_seed()
+    seed = fuzz_draws.fresh_seed()
     rng = np.random.default_rng(seed)
     failures = []
     for _ in range(count):
-        d, arch = draw(rng), str(rng.choice(targets))
-        p = problem(d)
+        d, arch = fuzz_draws.draw(rng), str(rng.choice(targets))
+        p = fuzz_draws.problem(d)
         with environ(CUPA_KERNEL=d.kernel):
             result = decode_on_cpu(arch, *p.args, **p.case.options(), **p.fp8,
                                    partition_size=d.partition_size)
-        found = compare(p, result.out, result.lse)
+        found = fuzz_draws.compare(p, result.out, result.lse)
         if found is not None:
             failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
     assert not failures, (f"{len(failures)} of {count} configurations failed (seed {seed}):\n"
