@@ -16,6 +16,8 @@ GPU suite on NVIDIA, and under CUPA_EMULATE for the AMD builds).
 
 from __future__ import annotations
 
+import io
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +37,10 @@ import fuzz_draws
 
 # A small device: grids of a few waves from small problems (the planner splits for it).
 MULTIPROCESSORS = 4
+# The selftest's cases plan as on the targets' usual devices (H200 and A100 for NVIDIA): its
+# small problems keep the variant they name there, and on 4 multiprocessors sm_90's head-64
+# plans would take the dense form instead (a size rule, dispatch.DENSE_FROM_WORKGROUPS_PER_SM).
+SELFTEST_MULTIPROCESSORS = {"sm_90": 132, "sm_80": 108}
 # The arrays the kernels write: the outputs and the phase-1 partials.
 WRITTEN = frozenset({"out", "lse", "part_acc", "part_max", "part_sum"})
 
@@ -51,10 +57,10 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
                   logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None,
                   v_scale=None, partition_size=None, max_seq_len=None,
                   hints_from_arrays=True, max_query_len=None, place=None,
-                  sanitize=False) -> CpuDecode:
+                  sanitize=False, multiprocessors=MULTIPROCESSORS) -> CpuDecode:
     """Decode numpy arrays as cupa would on the target `arch` (an AMD 'gfx942', ..., in its
     emulated build; or NVIDIA 'sm_80', 'sm_90', the tensor-core kernels' PTX by cuda_on_cpu's
-    shim): planned for a device of MULTIPROCESSORS, built for the CPU, run. Outputs and
+    shim): planned for a device of `multiprocessors`, built for the CPU, run. Outputs and
     partials start as NaN.
     The plan gets the length hints cupa.decode reads from host arrays, or with
     hints_from_arrays=False only `max_seq_len` and `max_query_len` (default: the most new
@@ -82,7 +88,7 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
         max_seq_len, total_seq_len = int(seq_lens.max(initial=1)), int(seq_lens.sum())
     else:
         total_seq_len = None
-    plan = make_plan(shape, MULTIPROCESSORS, arch=arch, partition_size=partition_size,
+    plan = make_plan(shape, multiprocessors, arch=arch, partition_size=partition_size,
                      max_seq_len=max_seq_len, total_seq_len=total_seq_len,
                      max_query_len=new_tokens)
     target = Target(arch, emulated=arch.startswith("gfx"))
@@ -109,7 +115,7 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
         pointers = {name: place(name, array, writable=name in WRITTEN)
                     for name, array in pointers.items()}
         out, lse = pointers["out"], pointers["lse"]
-    grid, block, scalars = partition_launch(plan, shape, MULTIPROCESSORS)
+    grid, block, scalars = partition_launch(plan, shape, multiprocessors)
     cluster = (1, plan.max_partitions, 1) if plan.cluster_merge else (1, 1, 1)
     kernels[plan.variant.partition_name](grid, block, [*pointers.values(), *scalars],
                                          shared_mem=plan.variant.shared_bytes, cluster=cluster)
@@ -137,6 +143,8 @@ def selftest_runner(arch: str):
             with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
                 result = decode_on_cpu(arch, *args, **problem["options"],
                                        partition_size=partition_size,
+                                       multiprocessors=SELFTEST_MULTIPROCESSORS.get(
+                                           arch, MULTIPROCESSORS),
                                        max_seq_len=max(selftest.SEQ_LENS),
                                        hints_from_arrays=False)
             if result.plan.variant != case.variant:
@@ -183,3 +191,18 @@ def check_fuzz_draws(targets: tuple, count: int):
             failures.append(f"{arch}, {result.plan.variant}: {found}: {d}")
     assert not failures, (f"{len(failures)} of {count} configurations failed (seed {seed}):\n"
                           + "\n".join(failures))
+
+
+def check_selftest_sample(arch: str, sample: int):
+    """`python -m cupa selftest`'s cases for `arch` (every variant dispatch can pick there,
+    each with its fewest query rows: what a device checks on a variant's first use), run by
+    the selftest's own table and bounds on the CPU build: `sample` of them at random, the seed
+    printed (CUPA_FUZZ_SEED replays it), or all with CUPA_SELFTEST_CPU_CASES=all."""
+    from cupa import selftest
+    cases = selftest.cases_for(arch)
+    if os.environ.get("CUPA_SELFTEST_CPU_CASES") != "all":
+        picks = np.random.default_rng(fuzz_draws.fresh_seed()).choice(len(cases), sample,
+                                                                       replace=False)
+        cases = [cases[i] for i in sorted(picks)]
+    report = io.StringIO()
+    assert selftest.run_cases(cases, selftest_runner(arch), out=report) == 0, report.getvalue()

@@ -12,19 +12,14 @@ owns, the outputs start as NaN, and lengths 0, 1, one block and several partitio
 
 from __future__ import annotations
 
-import io
-import os
-
-import numpy as np
 import pytest
 
-from cupa import selftest
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import check_fuzz_draws, check_result, decode_on_cpu, selftest_runner
-from fuzz_draws import fresh_seed
+from decode_on_cpu import (check_fuzz_draws, check_result, check_selftest_sample,
+                           decode_on_cpu)
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
@@ -130,14 +125,6 @@ SELFTEST_SAMPLE = 12  # cases a target a run (CUPA_SELFTEST_CPU_CASES=all: every
 
 @pytest.mark.parametrize("arch", TARGETS)
 def test_selftest_cases(arch):
-    """`python -m cupa selftest`'s cases for the target (every variant dispatch can pick there,
-    each with its fewest query rows: what a ROCm device checks on each variant's first use),
-    run by the selftest's own table and bounds on the CPU build: a random sample a run, its
-    seed printed (CUPA_FUZZ_SEED replays it), or all of them."""
-    cases = selftest.cases_for(arch)
-    if os.environ.get("CUPA_SELFTEST_CPU_CASES") != "all":
-        picks = np.random.default_rng(fresh_seed()).choice(len(cases), SELFTEST_SAMPLE,
-                                                           replace=False)
-        cases = [cases[i] for i in sorted(picks)]
-    report = io.StringIO()
-    assert selftest.run_cases(cases, selftest_runner(arch), out=report) == 0, report.getvalue()
+    """`python -m cupa selftest`'s cases for the target (what a ROCm device checks on each
+    variant's first use), a random sample a run (decode_on_cpu.check_selftest_sample)."""
+    check_selftest_sample(arch, SELFTEST_SAMPLE)

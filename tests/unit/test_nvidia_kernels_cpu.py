@@ -20,7 +20,8 @@ from cupa.gpu.catalogue import DecodeMmaVariant
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import check_fuzz_draws, check_result, decode_on_cpu
+from decode_on_cpu import (check_fuzz_draws, check_result, check_selftest_sample,
+                           decode_on_cpu)
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
@@ -102,3 +103,13 @@ def test_fuzz_on_nvidia_targets():
     each, the portable kernel now and then. A fresh seed a run, printed;
     CUPA_FUZZ_SEED=<seed> replays one."""
     check_fuzz_draws(TARGETS, FUZZ_DRAWS)
+
+
+SELFTEST_SAMPLE = 12  # cases a target a run (CUPA_SELFTEST_CPU_CASES=all: every one)
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_selftest_cases(arch):
+    """`python -m cupa selftest`'s cases for the target (every variant dispatch can pick
+    there), a random sample a run (decode_on_cpu.check_selftest_sample)."""
+    check_selftest_sample(arch, SELFTEST_SAMPLE)
