@@ -85,6 +85,7 @@ def run_sanitized(job: dict, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, result_path = workdir / "job.pkl", workdir / "result.pkl"
     job_path.write_bytes(pickle.dumps(job))
+    result_path.unlink(missing_ok=True)  # a workdir may serve several runs
     env = _child_env(job.get("environ", {}))
     child = subprocess.run([sys.executable, __file__, str(job_path), str(result_path)],
                            env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
