@@ -557,7 +557,7 @@ def asan_preloaded() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _library(source: str, defines: tuple = ("-D__HIP__",), flags: tuple = ()):
+def _library(source: str, defines: tuple, flags: tuple):
     expanded = _expanded(source, defines)
     wrappers, signatures = _entry_points(expanded)
     code = SHIM + expanded + "\n" + wrappers + "\n"

@@ -24,7 +24,6 @@ Each job may hold "environ": environment variables for the child (cupa's dispatc
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import re
@@ -64,8 +63,9 @@ def sanitizers_missing() -> str | None:
 def asan_cannot_start() -> str | None:
     """Why a Python process with the ASan runtime preloaded does not start here (some kernels'
     address-space layouts defeat an older runtime's shadow memory), or None."""
-    probe = subprocess.run([sys.executable, "-c", "import ctypes; "
-                            "assert hasattr(ctypes.CDLL(None), '__asan_init')"],
+    here = str(Path(__file__).resolve().parent)
+    probe = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); "
+                            "import cuda_on_cpu; assert cuda_on_cpu.asan_preloaded()"],
                            env=_child_env({}), capture_output=True, text=True, timeout=120)
     if probe.returncode == 0:
         return None
@@ -139,7 +139,8 @@ def _run_kernel(job: dict, place) -> dict:
 
 def _child(job_path: str, result_path: str) -> None:
     # The runtime is in (LD_PRELOAD); the compilers this process starts need not carry it.
-    if not hasattr(ctypes.CDLL(None), "__asan_init"):
+    from cuda_on_cpu import asan_preloaded
+    if not asan_preloaded():
         sys.exit("sanitized_run.py: the ASan runtime is not preloaded (run_sanitized does it)")
     os.environ.pop("LD_PRELOAD", None)
     from guarded_memory import GuardedArena
