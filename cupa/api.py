@@ -17,7 +17,7 @@ from .decode_plan import (DecodePlan, check_inputs, convert_inputs, device_signa
 from .fp8 import check_kv_format
 from .gpu import dispatch
 from .problem import MAX_QUERY_LEN, DecodeOptions, default_max_query_len
-from .validation import check_arrays, check_partition_size
+from .validation import check_arrays, check_kv_layout, check_partition_size
 
 # Plans kept by `decode`, most recent last. A plan holds no device memory but its fp8 factors
 # (outputs and workspace are allocated per call), so the bound is about host memory only.
@@ -43,16 +43,19 @@ def resolve_backend(backend: str | None) -> str:
 def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
            max_query_len=None, scale=None, alibi_slopes=None, sliding_window=None,
            logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None, v_scale=None,
-           out=None, return_lse=False, partition_size=None, max_seq_len=None,
+           kv_layout=None, out=None, return_lse=False, partition_size=None, max_seq_len=None,
            total_seq_len=None, stream=None, backend=None):
     """Paged decode attention: each new query token against its sequence's cached K/V.
 
     query         [num_tokens, num_heads, head_size], float16 / bfloat16 (ml_dtypes) / float32:
                   one new token per sequence (num_tokens = num_seqs), or several per sequence
                   with query_start_loc
-    key_cache     [num_blocks, num_kv_heads, block_size, head_size], same dtype as query (or
-                  uint8 fp8 codes with kv_format)
-    value_cache   same shape and dtype as key_cache
+    key_cache     [num_blocks, num_kv_heads, block_size, head_size] ("HND"), or with kv_layout
+                  "NHD" [num_blocks, block_size, num_kv_heads, head_size]; same dtype as query
+                  (or uint8 fp8 codes with kv_format). Strided views are read in place (K and V
+                  halves of one allocation, say): each row of head_size elements contiguous,
+                  every other stride a positive multiple of 16 bytes
+    value_cache   same shape, dtype and strides as key_cache
     block_tables  int32 [num_seqs, max_blocks_per_seq]: block ids of each sequence, in order
     seq_lens      int32 [num_seqs]: tokens of each sequence, its new tokens included (0 gives
                   zero rows, lse = -inf)
@@ -78,6 +81,7 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
                   float16 / bfloat16 queries only. See `cupa.quantize_fp8`.
     k_scale, v_scale  fp8 scales of K and V: a float, or float32 [num_kv_heads] per KV head
                   (default 1.0)
+    kv_layout     the caches' dimension order: "HND" (None, the default) or "NHD"
     out           optional output array to fill (same shape and dtype as query)
     return_lse    also return float32 [num_tokens, num_heads], the natural log of the softmax
                   denominator (scale and ALiBi included)
@@ -106,7 +110,7 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     raw = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
            alibi_slopes, sinks)
     key = _cache_key(raw, out, backend, k_scale, v_scale,
-                     (scale, sliding_window, logits_soft_cap, kv_format, return_lse,
+                     (scale, sliding_window, logits_soft_cap, kv_format, kv_layout, return_lse,
                       partition_size, max_seq_len, total_seq_len, max_query_len))
     try:
         plan = _plans.get(key) if key is not None else None
@@ -120,7 +124,7 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
     plan, inputs = _plan(raw, query_start_loc=query_start_loc, max_query_len=max_query_len,
                          scale=scale, sliding_window=sliding_window,
                          logits_soft_cap=logits_soft_cap, kv_format=kv_format, k_scale=k_scale,
-                         v_scale=v_scale, out=out, return_lse=return_lse,
+                         v_scale=v_scale, kv_layout=kv_layout, out=out, return_lse=return_lse,
                          partition_size=partition_size, max_seq_len=max_seq_len,
                          total_seq_len=total_seq_len, backend=backend, own_outputs=False)
     if key is not None:
@@ -140,8 +144,8 @@ def decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start
 def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_start_loc=None,
                 max_query_len=None, scale=None, alibi_slopes=None, sliding_window=None,
                 logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None, v_scale=None,
-                return_lse=False, partition_size=None, max_seq_len=None, total_seq_len=None,
-                backend=None) -> DecodePlan:
+                kv_layout=None, return_lse=False, partition_size=None, max_seq_len=None,
+                total_seq_len=None, backend=None) -> DecodePlan:
     """Fix a decode's kernel, grid, workspace and output buffers for repeated runs and graph
     capture; returns a `cupa.DecodePlan` whose `run(query, key_cache, value_cache, block_tables,
     seq_lens, query_start_loc=..., alibi_slopes=..., sinks=...)` decodes.
@@ -149,8 +153,9 @@ def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_
     Arguments as for `cupa.decode`; the arrays give the shapes and dtypes (a maximum batch, and
     block tables as wide as the longest sequence may get), and their contents only feed the
     length hints when they are host arrays. scale, sliding_window, logits_soft_cap, kv_format,
-    k_scale, v_scale, return_lse and partition_size are fixed by the plan; whether alibi_slopes,
-    sinks and query_start_loc are given is fixed too (their contents may change between runs).
+    k_scale, v_scale, kv_layout, return_lse and partition_size are fixed by the plan, and so are
+    the caches' strides; whether alibi_slopes, sinks and query_start_loc are given is fixed too
+    (their contents may change between runs).
 
     Graph capture (cupy): make the plan, run it once outside the capture (this compiles the
     kernels), then capture `plan.run(...)` on a non-default stream; replaying the graph decodes
@@ -162,7 +167,8 @@ def plan_decode(query, key_cache, value_cache, block_tables, seq_lens, *, query_
            alibi_slopes, sinks)
     plan, _ = _plan(raw, query_start_loc=query_start_loc, max_query_len=max_query_len,
                     scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                    kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=None,
+                    kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+                    kv_layout=kv_layout, out=None,
                     return_lse=return_lse, partition_size=partition_size,
                     max_seq_len=max_seq_len, total_seq_len=total_seq_len, backend=backend,
                     own_outputs=True)
@@ -213,21 +219,22 @@ def _remember(key, plan) -> None:
 
 
 def _plan(raw, *, query_start_loc, max_query_len, scale, sliding_window, logits_soft_cap,
-          kv_format, k_scale, v_scale, out, return_lse, partition_size, max_seq_len,
-          total_seq_len, backend, own_outputs):
+          kv_format, k_scale, v_scale, kv_layout, out, return_lse, partition_size,
+          max_seq_len, total_seq_len, backend, own_outputs):
     """Shared front half of `decode` and `plan_decode`: arrays in -> one conversion ->
     validation -> plan. Returns (plan, converted inputs)."""
     check_arrays(raw, out)
     check_partition_size(partition_size)
     backend = resolve_backend(backend)
     fmt = check_kv_format(kv_format)
+    kv_layout = check_kv_layout(kv_layout)
     if fmt is None and (k_scale is not None or v_scale is not None):
         raise ValueError("k_scale / v_scale: only meaningful with an fp8 kv_format")
     inputs = convert_inputs(backend, raw)
     options = DecodeOptions(scale=scale, sliding_window=sliding_window,
                             logits_soft_cap=logits_soft_cap,
                             kv_format=None if fmt is None else fmt.name,
-                            return_lse=bool(return_lse))
+                            return_lse=bool(return_lse), kv_layout=kv_layout)
     out_view = arrays.to_device(out) if out is not None and arrays.is_device_array(out) else out
     shape, lengths = check_inputs(inputs, options, host_contents(backend, raw), out_view)
     if max_seq_len is None:

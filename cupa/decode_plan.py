@@ -26,10 +26,11 @@ from .gpu.device import device_info
 from .gpu.launch import DecodeLaunch, kernel_kv_scales
 from .gpu.occupancy import resident_workgroups
 from .gpu.planner import make_plan
-from .problem import DecodeInputs, DecodeOptions, DecodeShape
+from .problem import KV_STRIDE_ALIGN_BYTES, DecodeInputs, DecodeOptions, DecodeShape, kv_axes
 from .reference import paged_decode_reference
 from .selftest import first_use_guard
-from .validation import check_arrays, check_decode_args, check_table_contents, query_lens
+from .validation import (check_arrays, check_cache_alignment, check_decode_args,
+                         check_table_contents, query_lens)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def check_inputs(inputs: DecodeInputs, options: DecodeOptions, host: dict,
         inputs.seq_lens, query_start_loc=inputs.query_start_loc, scale=options.scale,
         alibi_slopes=inputs.alibi_slopes, out=out, sliding_window=options.sliding_window,
         logits_soft_cap=options.logits_soft_cap, sinks=inputs.sinks,
-        kv_format=options.kv_format)
+        kv_format=options.kv_format, kv_layout=options.kv_layout)
     longest = total = most_new = new_tokens = None
     tables, lens, loc = (host.get(k) for k in ("block_tables", "seq_lens", "query_start_loc"))
     if loc is not None:
@@ -237,6 +238,9 @@ class DecodePlan:
                     0 if raw[5] is None else raw[5].data.ptr,
                     0 if raw[6] is None else raw[6].data.ptr,
                     0 if raw[7] is None else raw[7].data.ptr)
+        if (pointers[6] | pointers[7]) % KV_STRIDE_ALIGN_BYTES:  # what the signature cannot see
+            check_cache_alignment("key_cache", pointers[6])
+            check_cache_alignment("value_cache", pointers[7])
         with self._lock:
             self._launch(pointers, stream_ptr)
         return (out, lse) if self.options.return_lse else out
@@ -270,7 +274,8 @@ class DecodePlan:
     def _reference(self, inputs: DecodeInputs):
         key_cache, value_cache = inputs.key_cache, inputs.value_cache
         if self.fmt is not None:  # the oracle works on the dequantised cache
-            per_head = (1, -1, 1, 1)
+            per_head = [1, 1, 1, 1]
+            per_head[kv_axes(self.options.kv_layout)[0]] = -1
             key_cache = dequantize_fp8(key_cache, self.fmt.name, self.k_scale.reshape(per_head))
             value_cache = dequantize_fp8(value_cache, self.fmt.name,
                                          self.v_scale.reshape(per_head))
@@ -278,6 +283,7 @@ class DecodePlan:
             inputs.query, key_cache, value_cache, inputs.block_tables, inputs.seq_lens,
             query_start_loc=inputs.query_start_loc, scale=self.shape.scale,
             alibi_slopes=inputs.alibi_slopes, sliding_window=self.options.sliding_window,
-            logits_soft_cap=self.options.logits_soft_cap, sinks=inputs.sinks)
+            logits_soft_cap=self.options.logits_soft_cap, sinks=inputs.sinks,
+            kv_layout=self.options.kv_layout)
         lse = lse.astype(np.float32) if self.options.return_lse else None
         return out.astype(inputs.query.dtype), lse

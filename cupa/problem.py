@@ -18,6 +18,28 @@ SUPPORTED_DTYPES = tuple(STORAGE_DTYPES)
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 # At most 32: the tensor-core kernels' copies rely on it (KvRing::MAX_BLOCK_SIZE in decode_mma.cu).
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+# The caches' dimension orders: where the KV-head and token axes sit in a 4-d cache
+# [num_blocks, ., ., head_size]. "HND" is cupa's own (PagedKVCache), "NHD" vLLM's
+# flash-attention backend's. The kernels see only element strides (DecodeShape), so a
+# strided view of either order (K and V interleaved per block, say) runs as it is.
+KV_LAYOUTS = {"HND": ("num_blocks", "num_kv_heads", "block_size", "head_size"),
+              "NHD": ("num_blocks", "block_size", "num_kv_heads", "head_size")}
+DEFAULT_KV_LAYOUT = "HND"
+
+
+def kv_axes(kv_layout: str) -> tuple[int, int]:
+    """(KV-head axis, token axis) of a cache in the layout `kv_layout`."""
+    dims = KV_LAYOUTS[kv_layout]
+    return dims.index("num_kv_heads"), dims.index("block_size")
+
+
+# Bounds the kernels' stride arithmetic relies on: every cache stride a multiple of 16 bytes
+# (16-byte vector loads and copies of whole rows), a block's stride below 2^32 bytes (the
+# tensor-core kernels step between blocks with a 32-bit product), and the token stride below
+# 2^24 elements (a row's offset in its block is a 24-bit product: PagedRows, decode_common.cuh).
+KV_STRIDE_ALIGN_BYTES = 16
+MAX_KV_BLOCK_STRIDE_BYTES = 2**32 - 1
+MAX_KV_TOKEN_STRIDE = 2**24 - 1
 # Query dtypes an fp8 cache serves (the tensor cores and the kernels' fp8 variants).
 FP8_QUERY_DTYPES = ("float16", "bfloat16")
 MAX_QUERY_LEN = 16  # new tokens per sequence in one call (MAX_QUERY_LEN in decode_common.cuh)
@@ -45,6 +67,9 @@ class DecodeShape:
     has_sinks: bool = False
     multi_token: bool = False  # query_start_loc given
     kv_format: str | None = None  # None: the cache holds the query dtype; else an fp8 format
+    # Element strides (block, KV head, token) of both caches; None: contiguous "HND", the
+    # default layout (validation stores None for it, so equal problems compare equal).
+    kv_strides: tuple[int, int, int] | None = None
 
     @property
     def group(self) -> int:
@@ -55,6 +80,14 @@ class DecodeShape:
     def kv_itemsize(self) -> int:
         """Bytes of one cached K or V element: 1 for fp8 codes, else the storage dtype's."""
         return 1 if self.kv_format else STORAGE_DTYPES[self.dtype].itemsize
+
+    @property
+    def cache_strides(self) -> tuple[int, int, int]:
+        """Element strides (block, KV head, token) of the caches the kernels address."""
+        if self.kv_strides is not None:
+            return self.kv_strides
+        d = self.head_size
+        return (self.num_kv_heads * self.block_size * d, self.block_size * d, d)
 
     @property
     def capacity(self) -> int:
@@ -71,6 +104,7 @@ class DecodeOptions:
     logits_soft_cap: float | None = None
     kv_format: str | None = None
     return_lse: bool = False
+    kv_layout: str = DEFAULT_KV_LAYOUT
 
 
 # The arrays of a decode call, in the order every layer passes them (`DecodeInputs`).

@@ -11,7 +11,8 @@ import numpy as np
 
 def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, *,
                            query_start_loc=None, scale=None, alibi_slopes=None,
-                           sliding_window=None, logits_soft_cap=None, sinks=None):
+                           sliding_window=None, logits_soft_cap=None, sinks=None,
+                           kv_layout="HND"):
     """Attention of each new token over its sequence's paged KV history, in float64.
 
     query          [num_tokens, num_heads, head_size]: one new token per sequence, or with
@@ -19,6 +20,8 @@ def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens
                    of sequence s
     key_cache      [num_blocks, num_kv_heads, block_size, head_size] (already dequantised)
     value_cache    [num_blocks, num_kv_heads, block_size, head_size]
+    kv_layout      "HND" (the shapes above) or "NHD": caches [num_blocks, block_size,
+                   num_kv_heads, head_size]
     block_tables   [num_seqs, max_blocks_per_seq] int
     seq_lens       [num_seqs] int: tokens of each sequence, its new tokens included
     Token i of the q_len new tokens of a sequence of n tokens sits at position p = n - q_len + i
@@ -34,6 +37,10 @@ def paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens
     query = np.asarray(query, dtype=np.float64)
     key_cache = np.asarray(key_cache)
     value_cache = np.asarray(value_cache)
+    if kv_layout == "NHD":  # the same rows, viewed in the order the loop below reads
+        key_cache, value_cache = key_cache.swapaxes(1, 2), value_cache.swapaxes(1, 2)
+    elif kv_layout != "HND":
+        raise ValueError(f"kv_layout: must be 'HND' or 'NHD', got {kv_layout!r}")
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

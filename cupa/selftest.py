@@ -149,9 +149,29 @@ def make_problem(case: Case, rng) -> dict:
     return problem
 
 
+def nhd_pages(key_cache, value_cache):
+    """The caches in one allocation [num_blocks, 2, block_size, num_kv_heads, head_size]
+    (FlashInfer's "NHD" pages): `pages[:, 0]` and `pages[:, 1]` are strided "NHD" views of K
+    and V, which the partitioned run reads in place (kv_layout="NHD")."""
+    return np.ascontiguousarray(np.stack([key_cache.swapaxes(1, 2), value_cache.swapaxes(1, 2)],
+                                         axis=1))
+
+
+# The two runs of a case: (partition_size, kv_layout); the second reads nhd_pages' views.
+RUNS = ((None, "HND"), (PARTITION_SIZE, "NHD"))
+
+
+def run_label(partition_size, kv_layout: str, max_partitions: int) -> str:
+    """An outcome's key: how the run split its sequences and read its caches."""
+    return (("planned" if partition_size is None else f"{partition_size}-token") +
+            f", {max_partitions} partition" + ("s" if max_partitions > 1 else "") +
+            ("" if kv_layout == "HND" else f", {kv_layout}"))
+
+
 def run_on_gpu(case: Case, rng) -> Outcome:
-    """Decode `case`'s problem on the GPU in one partition and in several; the relative error of
-    each against the oracle. The kernel actually planned must be the case's."""
+    """Decode `case`'s problem on the GPU in one partition and in several (RUNS), the second
+    with its caches as strided "NHD" views; the relative error of each against the oracle. The
+    kernel actually planned must be the case's."""
     import cupy
 
     from .api import plan_decode
@@ -161,19 +181,21 @@ def run_on_gpu(case: Case, rng) -> Outcome:
                                     problem["block_tables"], problem["seq_lens"])
     device = [cupy.asarray(problem[k]) for k in ("query", "key_cache", "value_cache",
                                                  "block_tables", "seq_lens")]
+    pages = cupy.asarray(nhd_pages(problem["key_cache"], problem["value_cache"]))
     outcome = Outcome()
-    for partition_size in (None, PARTITION_SIZE):
+    for partition_size, kv_layout in RUNS:
+        if kv_layout == "NHD":
+            device[1:3] = pages[:, 0], pages[:, 1]
         with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
             plan = plan_decode(*device, **problem["options"], partition_size=partition_size,
-                               max_seq_len=max(SEQ_LENS), backend="gpu")
+                               kv_layout=kv_layout, max_seq_len=max(SEQ_LENS), backend="gpu")
         if plan.kernel != case.kernel:
             outcome.failure = f"planned {plan.kernel}, not {case.kernel}"
             return outcome
         poisoned = cupy.full(problem["query"].shape, np.nan, dtype=problem["query"].dtype)
         out = cupy.asnumpy(plan.run(*device, out=poisoned)).astype(np.float64)
         # Both plans may split alike (the dense and wide forms' own plans split these lengths).
-        label = ("planned" if partition_size is None else f"{partition_size}-token") + \
-            f", {plan.max_partitions} partition" + ("s" if plan.max_partitions > 1 else "")
+        label = run_label(partition_size, kv_layout, plan.max_partitions)
         outcome.errors[label] = _rel_error(out, ref) if np.isfinite(out).all() else float("nan")
     return outcome
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import (FP8_QUERY_DTYPES, INPUT_NAMES, MAX_QUERY_LEN, REQUIRED_INPUTS,
-                      SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES, DecodeShape)
+from .problem import (DEFAULT_KV_LAYOUT, FP8_QUERY_DTYPES, INPUT_NAMES, KV_LAYOUTS,
+                      KV_STRIDE_ALIGN_BYTES, MAX_KV_BLOCK_STRIDE_BYTES, MAX_KV_TOKEN_STRIDE,
+                      MAX_QUERY_LEN, REQUIRED_INPUTS, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES,
+                      SUPPORTED_HEAD_SIZES, DecodeShape, kv_axes)
 
 # numpy builds a dtype's name anew on every access (~10 us per decode call for the six arrays
 # validated): names are remembered per dtype object.
@@ -85,6 +87,65 @@ def _require_c_contiguous(name, array):
                          f"for shape {tuple(array.shape)}); pass a contiguous copy")
 
 
+def check_kv_layout(kv_layout) -> str:
+    """The caches' dimension order: a name of problem.KV_LAYOUTS (None: the default)."""
+    if kv_layout is None:
+        return DEFAULT_KV_LAYOUT
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: must be one of {tuple(KV_LAYOUTS)} or None, got "
+                         f"{kv_layout!r}")
+    return kv_layout
+
+
+def device_pointer(array) -> int:
+    """A device array's address (cupy's `data.ptr`), or 0 for a host array: the numpy backend
+    reads host arrays as they are, and the GPU backend uploads them into aligned copies."""
+    if isinstance(array, np.ndarray):
+        return 0
+    return int(array.data.ptr)
+
+
+def check_cache_alignment(name, pointer: int) -> None:
+    """The kernels read cache rows in 16-byte units from the array's first element on."""
+    if pointer % KV_STRIDE_ALIGN_BYTES:
+        raise ValueError(f"{name}: its first element must be {KV_STRIDE_ALIGN_BYTES}-byte "
+                         f"aligned, got address {pointer:#x} (a view that starts inside a row?)")
+
+
+def _cache_strides(key_cache, value_cache, kv_layout: str):
+    """The caches' element strides (block, KV head, token), or None for a contiguous cache of
+    the default layout (DecodeShape.kv_strides). Any view whose rows (head_size elements) are
+    contiguous and whose strides keep every row 16-byte aligned will do, K and V alike; the
+    bounds are problem.py's."""
+    itemsize = key_cache.dtype.itemsize
+    strides = tuple(int(s) for s in key_cache.strides)
+    if tuple(int(s) for s in value_cache.strides) != strides:
+        raise ValueError(f"value_cache: strides must equal key_cache's {strides} (bytes), got "
+                         f"{tuple(value_cache.strides)}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_cache_alignment(name, device_pointer(cache))
+    if kv_layout == DEFAULT_KV_LAYOUT and key_cache.flags.c_contiguous:
+        return None
+    shape = tuple(int(d) for d in key_cache.shape)
+    head_axis, token_axis = kv_axes(kv_layout)
+    where = f"key_cache / value_cache (kv_layout={kv_layout!r}): "
+    if strides[3] != itemsize:
+        raise ValueError(f"{where}each row of head_size elements must be contiguous (last "
+                         f"stride {itemsize} bytes), got strides {strides}; pass a copy")
+    picked = (strides[0], strides[head_axis], strides[token_axis])
+    for axis_name, stride in zip(("block", "KV head", "token"), picked):
+        if stride <= 0 or stride % KV_STRIDE_ALIGN_BYTES:
+            raise ValueError(f"{where}the {axis_name} stride must be a positive multiple of "
+                             f"{KV_STRIDE_ALIGN_BYTES} bytes, got {stride} (strides {strides})")
+    if picked[0] > MAX_KV_BLOCK_STRIDE_BYTES:
+        raise ValueError(f"{where}the block stride must be below 2^32 bytes, got {picked[0]}")
+    strides = tuple(s // itemsize for s in picked)
+    if strides[2] > MAX_KV_TOKEN_STRIDE:
+        raise ValueError(f"{where}the token stride must be below 2^24 elements, got "
+                         f"{strides[2]}")
+    return strides
+
+
 def _check_per_head(name, array, num_heads):
     if array is None:
         return
@@ -97,10 +158,11 @@ def _check_per_head(name, array, num_heads):
 def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
                       query_start_loc=None, scale=None, alibi_slopes=None, out=None,
                       sliding_window=None, logits_soft_cap=None, sinks=None,
-                      kv_format=None) -> DecodeShape:
+                      kv_format=None, kv_layout=DEFAULT_KV_LAYOUT) -> DecodeShape:
     """Validate metadata of the decode arguments and return the problem's shape.
 
-    kv_format: None or the name of an fp8 format (already checked by the caller)."""
+    kv_format: None or the name of an fp8 format (already checked by the caller); kv_layout:
+    a name of problem.KV_LAYOUTS (likewise, check_kv_layout)."""
     if query.ndim != 3:
         raise _shape_error("query", "[num_tokens, num_heads, head_size]", query.shape)
     num_tokens, num_heads, head_size = (int(d) for d in query.shape)
@@ -120,9 +182,13 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
         raise ValueError(f"query: head_size must be one of {SUPPORTED_HEAD_SIZES}, got {head_size}")
 
     if key_cache.ndim != 4:
-        raise _shape_error("key_cache", "[num_blocks, num_kv_heads, block_size, head_size]",
-                           key_cache.shape)
-    num_blocks, num_kv_heads, block_size, kv_head_size = (int(d) for d in key_cache.shape)
+        dims = f"[{', '.join(KV_LAYOUTS[kv_layout])}]"
+        if kv_layout != DEFAULT_KV_LAYOUT:
+            dims += f" (kv_layout={kv_layout!r})"
+        raise _shape_error("key_cache", dims, key_cache.shape)
+    head_axis, token_axis = kv_axes(kv_layout)
+    num_blocks, kv_head_size = int(key_cache.shape[0]), int(key_cache.shape[3])
+    num_kv_heads, block_size = int(key_cache.shape[head_axis]), int(key_cache.shape[token_axis])
     if tuple(value_cache.shape) != tuple(key_cache.shape):
         raise _shape_error("value_cache", f"{tuple(key_cache.shape)} (same as key_cache)",
                            value_cache.shape)
@@ -135,18 +201,18 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
             what = (f"must match query ({dtype})" if kv_format is None
                     else f"must be uint8 (fp8 codes, kv_format={kv_format!r})")
             raise TypeError(f"{name}: dtype {what}, got {dtype_name(cache.dtype)}")
-        _require_c_contiguous(name, cache)
     if kv_head_size != head_size:
         raise ValueError(f"key_cache: head_size (last dim) must equal query's {head_size}, "
                          f"got {kv_head_size}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"key_cache: block_size (dim 2) must be one of {SUPPORTED_BLOCK_SIZES}, "
-                         f"got {block_size}")
+        raise ValueError(f"key_cache: block_size (dim {token_axis}) must be one of "
+                         f"{SUPPORTED_BLOCK_SIZES}, got {block_size}")
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}, query dim 1) must be a multiple of num_kv_heads "
-                         f"({num_kv_heads}, key_cache dim 1)")
+                         f"({num_kv_heads}, key_cache dim {head_axis})")
     if num_blocks < 1:
         raise ValueError("key_cache: needs at least one block, got num_blocks=0")
+    kv_strides = _cache_strides(key_cache, value_cache, kv_layout)
 
     if block_tables.ndim != 2 or int(block_tables.shape[0]) != num_seqs:
         raise _shape_error("block_tables", f"[{num_seqs}, max_blocks_per_seq]", block_tables.shape)
@@ -197,7 +263,8 @@ def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, *,
                        max_blocks_per_seq=int(block_tables.shape[1]), dtype=dtype, scale=scale,
                        has_alibi=alibi_slopes is not None, sliding_window=window,
                        logits_soft_cap=soft_cap, has_sinks=sinks is not None,
-                       multi_token=query_start_loc is not None, kv_format=kv_format)
+                       multi_token=query_start_loc is not None, kv_format=kv_format,
+                       kv_strides=kv_strides)
 
 
 def query_lens(shape: DecodeShape, query_start_loc: np.ndarray) -> np.ndarray:

@@ -74,7 +74,7 @@ if [ "$what" = emulated ]; then
         python3 -m pytest -q -p no:cacheprovider --shard "$i/$shards" "$@" \
         tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_fp8_decode.py tests/gpu/test_gpu_multi_token.py \
         tests/gpu/test_gpu_cache.py tests/gpu/test_gpu_host_path.py tests/gpu/test_gpu_fuzz.py \
-        tests/gpu/test_gpu_selftest.py \
+        tests/gpu/test_gpu_selftest.py tests/gpu/test_gpu_kv_layout.py \
         > "$OUT/emulated_${name}_$i.log" 2>&1 &
     done
     wait

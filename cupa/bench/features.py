@@ -32,22 +32,23 @@ def _problem(cupy, rng, batch, seq_len, args, query_len=1):
     return query, key, value, tables, lens, tables_np
 
 
-def _time_decode(timer, cupy, problem, **options):
+def _time_decode(timer, cupy, problem, args, **options):
     query, key, value, tables, lens, _ = problem
     out = cupy.empty_like(query)
-    return timer.median_us(lambda: decode(query, key, value, tables, lens, out=out, **options))
+    return timer.median_us(lambda: decode(query, key, value, tables, lens, out=out,
+                                          kv_layout=args.kv_layout, **options))
 
 
 def window_rows(cupy, timer, rng, args):
     rows = []
     for batch in WINDOW_BATCHES:
         long = _problem(cupy, rng, batch, WINDOW_CONTEXT, args)
-        windowed = _time_decode(timer, cupy, long, sliding_window=WINDOW,
+        windowed = _time_decode(timer, cupy, long, args, sliding_window=WINDOW,
                                 max_seq_len=WINDOW_CONTEXT)
-        full = _time_decode(timer, cupy, long, max_seq_len=WINDOW_CONTEXT)
+        full = _time_decode(timer, cupy, long, args, max_seq_len=WINDOW_CONTEXT)
         del long
         short = _problem(cupy, rng, batch, WINDOW, args)
-        plain = _time_decode(timer, cupy, short, max_seq_len=WINDOW)
+        plain = _time_decode(timer, cupy, short, args, max_seq_len=WINDOW)
         del short
         rows.append(dict(feature="sliding_window", batch=batch, seq_len=WINDOW_CONTEXT,
                          window=WINDOW, windowed_us=windowed, full_context_us=full,
@@ -62,14 +63,14 @@ def multi_token_rows(cupy, timer, rng, args):
     rows = []
     for batch, seq_len in MULTI_TOKEN_SHAPES:
         one = _problem(cupy, rng, batch, seq_len, args)
-        single = _time_decode(timer, cupy, one, max_seq_len=seq_len)
+        single = _time_decode(timer, cupy, one, args, max_seq_len=seq_len)
         query = cupy.random.standard_normal((batch * QUERY_LEN,) + one[0].shape[1:],
                                             dtype=cupy.float32).astype(one[0].dtype)
         # query_start_loc on the device, as a serving loop keeps it: a host array would add an
         # upload to every timed call (~3.5 us on the H200), which the 1-token row does not have.
         loc = cupy.arange(0, batch * QUERY_LEN + 1, QUERY_LEN, dtype=cupy.int32)
-        several = _time_decode(timer, cupy, (query,) + one[1:], query_start_loc=loc,
-                               max_query_len=QUERY_LEN, max_seq_len=seq_len)
+        several = _time_decode(timer, cupy, (query,) + one[1:], args,
+                               query_start_loc=loc, max_query_len=QUERY_LEN, max_seq_len=seq_len)
         del one, query
         rows.append(dict(feature="multi_token", batch=batch, seq_len=seq_len,
                          query_len=QUERY_LEN, single_us=single, multi_us=several,
@@ -89,11 +90,12 @@ def fp8_rows(cupy, timer, rng, args):
     for batch, seq_len in FP8_SHAPES:
         problem = _problem(cupy, rng, batch, seq_len, args)
         query, key, value, tables, lens, tables_np = problem
-        half, half_other = (_time_decode(t, cupy, problem, max_seq_len=seq_len) for t in timers)
+        half, half_other = (_time_decode(t, cupy, problem, args, max_seq_len=seq_len)
+                            for t in timers)
         scale = 0.02  # N(0, 1) data: codes use the upper range without saturating much
         key8, value8 = quantize_fp8(key, FP8_FORMAT, scale), quantize_fp8(value, FP8_FORMAT, scale)
         del key, value, problem
-        fp8, fp8_other = (_time_decode(t, cupy, (query, key8, value8, tables, lens, None),
+        fp8, fp8_other = (_time_decode(t, cupy, (query, key8, value8, tables, lens, None), args,
                                        kv_format=FP8_FORMAT, k_scale=scale, v_scale=scale,
                                        max_seq_len=seq_len) for t in timers)
         peer = None if args.no_peers else _flashinfer_fp8(cupy, timer, query, key8, value8,

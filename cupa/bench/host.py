@@ -1,7 +1,7 @@
 """Host (Python) cost per call of cupa's entry points, beside the floor it is measured against.
 
 The floor L is one bare cupy `RawKernel` launch of an empty kernel with as many arguments as the
-decode kernel (CUPA_PARTITION_PARAMS: 14 pointers, 17 scalars), timed the same way in the same
+decode kernel (CUPA_PARTITION_PARAMS: 14 pointers, 20 scalars), timed the same way in the same
 process: host timings move 1.7x between machines, ratios to L much less. Every figure is host
 wall time per call of calls enqueued back to back on device arrays, with the GPU kept from being
 the bottleneck (the problems are small, and the host clock stops before the final
@@ -18,11 +18,11 @@ from ..api import decode, plan_decode
 from ..cache import PagedKVCache
 
 _EMPTY_KERNEL = r"""
-extern "C" __global__ void cupa_empty_31(
+extern "C" __global__ void cupa_empty_34(
     void* a0, void* a1, void* a2, void* a3, void* a4, void* a5, void* a6, void* a7, void* a8,
     void* a9, void* a10, void* a11, void* a12, void* a13, float s0, float s1, int s2, int s3,
     int s4, int s5, int s6, int s7, int s8, int s9, int s10, int s11, int s12, int s13, int s14,
-    int s15, int s16) {}
+    int s15, int s16, long long s17, long long s18, int s19) {}
 """
 CALLS = 300
 EXTEND_SEQS = 32
@@ -45,9 +45,10 @@ def host_us(cupy, call, calls: int = CALLS, warmup: int = 20) -> float:
 
 def host_costs(cupy) -> dict:
     """{"launch_floor", "decode", "plan_run", "cache_write", "extend_tables"}: host us per call."""
-    kernel = cupy.RawKernel(_EMPTY_KERNEL, "cupa_empty_31")
+    kernel = cupy.RawKernel(_EMPTY_KERNEL, "cupa_empty_34")
     pointer = cupy.empty(1, dtype=cupy.float32)
-    args = (pointer,) * 14 + (np.float32(1), np.float32(0)) + (np.int32(1),) * 15
+    args = ((pointer,) * 14 + (np.float32(1), np.float32(0)) + (np.int32(1),) * 15
+            + (np.int64(1), np.int64(1), np.int32(1)))
     floor = host_us(cupy, lambda: kernel((1,), (32,), args))
 
     rng = np.random.default_rng(0)

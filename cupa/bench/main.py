@@ -20,6 +20,7 @@ import numpy as np
 from ..arrays import cupy_module, gpu_available
 from ..api import decode
 from ..gpu.device import device_info
+from ..problem import KV_LAYOUTS
 from .features import RAGGED, feature_rows, selected_features
 from .harness import Timer, copy_ceiling_tbs, copy_floor_us, eager_us, kv_read_bytes, make_problem
 from .host import host_costs
@@ -39,6 +40,8 @@ def add_arguments(parser):
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-layout", default="HND", choices=tuple(KV_LAYOUTS),
+                        help="the caches' dimension order, for cupa and the peers (default HND)")
     parser.add_argument("--partition-size", type=int, default=None,
                         help="force cupa's partition size (default: the planner's choice)")
     parser.add_argument("--iters", type=int, default=50, help="timed launches per figure")
@@ -96,7 +99,8 @@ def main(args) -> int:
               f"{'sdpa us':>9} {'fi us':>9} {'vs sdpa':>8} {'vs fi':>7} | eager: "
               f"{'cupa':>9} {'sdpa':>9} {'fi':>9} {'vs best':>8}")
     print(f"{args.dtype}, heads {args.heads}/{args.kv_heads}, head {args.head_size}, "
-          f"block {args.block_size}; median of {args.iters}, L2 flushed ({args.flush})")
+          f"block {args.block_size}, {args.kv_layout}; median of {args.iters}, L2 flushed "
+          f"({args.flush})")
     print(header)
     for n, (batch, seq_len) in enumerate(shapes, 1):
         start = time.perf_counter()
@@ -106,7 +110,7 @@ def main(args) -> int:
 
         def run_cupa():
             decode(query, key, value, tables, lens, out=out, max_seq_len=seq_len,
-                   partition_size=args.partition_size)
+                   partition_size=args.partition_size, kv_layout=args.kv_layout)
         cupa_us, cupa_eager = timer.median_us(run_cupa), eager_us(cupy, run_cupa)
         peers, peers_eager = {}, {}
         if not args.no_peers:
@@ -118,7 +122,8 @@ def main(args) -> int:
         tbs = kv_bytes / (cupa_us * 1e-6) / 1e12
         row = dict(batch=batch, seq_len=seq_len, num_heads=args.heads,
                    num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=args.dtype,
-                   block_size=args.block_size, kv_bytes=kv_bytes, cupa_us=cupa_us,
+                   block_size=args.block_size, kv_layout=args.kv_layout, kv_bytes=kv_bytes,
+                   cupa_us=cupa_us,
                    sdpa_us=peers.get("sdpa"), flashinfer_us=peers.get("flashinfer"),
                    cupa_eager_us=cupa_eager, sdpa_eager_us=peers_eager.get("sdpa"),
                    flashinfer_eager_us=peers_eager.get("flashinfer"))

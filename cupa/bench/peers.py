@@ -22,8 +22,11 @@ def sdpa_peer(cupy, query, key, value, tables_np, seq_len, args):
     idx = torch.from_dlpack(cupy.asarray(tables_np)).long()
     batch = idx.shape[0]
 
-    def dense(pages):  # [B, nb, Hkv, bs, D] -> [B, Hkv, nb*bs, D]
-        g = pages[idx].permute(0, 2, 1, 3, 4).reshape(batch, args.kv_heads, -1, args.head_size)
+    # [B, nb, Hkv, bs, D] ("HND") or [B, nb, bs, Hkv, D] ("NHD") -> [B, Hkv, nb*bs, D]
+    order = (0, 2, 1, 3, 4) if args.kv_layout == "HND" else (0, 3, 1, 2, 4)
+
+    def dense(pages):
+        g = pages[idx].permute(*order).reshape(batch, args.kv_heads, -1, args.head_size)
         return g[:, :, :seq_len].contiguous()
     k, v = dense(k_pages), dense(v_pages)
     gqa = args.heads != args.kv_heads
@@ -55,10 +58,10 @@ FLASHINFER_HEAD_SIZES = (64, 128, 192, 256)
 
 
 def flashinfer_peer(cupy, query, key, value, tables_np, seq_lens, args, fp8_scale=None):
-    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, HND) on the same pages, for
-    lengths `seq_lens` (one int for all, or one per sequence, from which its plan() chooses the
-    KV split); with fp8_scale, the pages are e4m3 codes (uint8 viewed as torch.float8_e4m3fn) of
-    that scale."""
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, the bench's kv_layout) on
+    the same pages, for lengths `seq_lens` (one int for all, or one per sequence, from which its
+    plan() chooses the KV split); with fp8_scale, the pages are e4m3 codes (uint8 viewed as
+    torch.float8_e4m3fn) of that scale."""
     if args.head_size not in FLASHINFER_HEAD_SIZES:
         raise ValueError(f"head size {args.head_size} is not asked of FlashInfer (it faulted at "
                          f"80 and 96; asked at {FLASHINFER_HEAD_SIZES})")
@@ -70,7 +73,7 @@ def flashinfer_peer(cupy, query, key, value, tables_np, seq_lens, args, fp8_scal
     bs = args.block_size
     dev = torch.device("cuda", cupy.cuda.Device().id)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND",
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, args.kv_layout,
                                                             use_tensor_cores=True)
     indptr, indices, last = (torch.from_numpy(a).to(dev)
                              for a in flashinfer_page_arrays(tables_np, seq_lens, bs))

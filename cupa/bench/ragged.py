@@ -144,7 +144,8 @@ def ragged_row(batch: RaggedBatch, args, ceiling_tbs: float, figures: dict) -> d
                seq_len=batch.longest, total_seq_len=batch.total,
                median_seq_len=int(np.median(batch.seq_lens)), num_heads=args.heads,
                num_kv_heads=args.kv_heads, head_size=args.head_size, dtype=args.dtype,
-               block_size=args.block_size, kv_bytes=nbytes, read_floor_us=floor,
+               block_size=args.block_size, kv_layout=args.kv_layout, kv_bytes=nbytes,
+               read_floor_us=floor,
                read_floor_fraction=floor / cupa_us if cupa_us else None,
                sdpa_us=None, sdpa_eager_us=None, sdpa_skipped=SDPA_SKIPPED,
                padded_ratio=batch.padded_ratio)
@@ -176,11 +177,12 @@ def time_ragged(cupy, timer, batch: RaggedBatch, args, ceiling_tbs: float) -> di
 
     def cupa(options):
         return lambda: decode(query, key, value, tables, lens, out=out,
-                              partition_size=args.partition_size, **options)
+                              partition_size=args.partition_size, kv_layout=args.kv_layout,
+                              **options)
     figures = {}
     for prefix, options in (("", hints), ("longest_hint_", longest_only)):
         plan = plan_decode(query, key, value, tables, lens, partition_size=args.partition_size,
-                           **options)
+                           kv_layout=args.kv_layout, **options)
         figures[f"{prefix}partition_size"] = plan.partition_size
         figures[f"{prefix}max_partitions"] = plan.max_partitions
         if not prefix:

@@ -77,15 +77,17 @@ def kernel_kv_scales(plan: LaunchPlan, fmt, k_scale: np.ndarray, v_scale: np.nda
 def partition_launch(plan: LaunchPlan, shape: DecodeShape, multiprocessors: int) -> tuple:
     """(grid, block, scalars) of phase 1: the scalars follow the pointers of
     PARTITION_POINTERS in CUPA_PARTITION_PARAMS (decode_common.cuh), stagger_sms being the
-    device's multiprocessors."""
-    i32, f32 = np.int32, np.float32
+    device's multiprocessors, the caches' strides last."""
+    i32, i64, f32 = np.int32, np.int64, np.float32
+    block_stride, head_stride, token_stride = shape.cache_strides
     grid = (shape.num_kv_heads * plan.head_chunks, plan.max_partitions, shape.num_seqs)
     scalars = (f32(shape.scale), f32(shape.logits_soft_cap), i32(shape.sliding_window),
                i32(shape.num_tokens), i32(shape.num_heads), i32(shape.num_kv_heads),
                i32(shape.block_size), i32(shape.max_blocks_per_seq), i32(shape.num_blocks),
                i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
                i32(plan.cluster_merge), i32(plan.all_ids_early),
-               i32(multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns))
+               i32(multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns),
+               i64(block_stride), i64(head_stride), i32(token_stride))
     return grid, (plan.variant.threads, 1, 1), scalars
 
 

@@ -61,8 +61,9 @@ CUPA_FN void decode_partition(
                                    max_blocks_per_seq, partition_size, max_partitions,
                                    head_chunks, cluster_merge))
         return;
-    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
-                                      block_size, num_blocks, D);
+    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, block_size,
+                                      num_blocks, kv_block_stride, kv_head_stride,
+                                      kv_token_stride);
     const int tid = threadIdx.x;
     const int nh = w.nh, start = w.start, end = w.end;
     // Here that means max_partitions == 1: the host merges in clusters only with the

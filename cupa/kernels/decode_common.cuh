@@ -15,7 +15,8 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // The argument list every phase-1 kernel takes, in the order cupa/gpu/launch.py passes it. A
 // macro, so the kernels and their extern "C" wrappers cannot drift apart. T is the query/output
 // storage type, C the cache's (T itself, or cupa_fp8 codes whose per-KV-head scales come in
-// kv_scales). The stagger_* arguments serve the tensor-core kernels only (stagger_first_wave).
+// kv_scales). The stagger_* arguments serve the tensor-core kernels only (stagger_first_wave);
+// kv_*_stride are the caches' element strides (the host's bounds: problem.py, KV_STRIDE_*).
 #define CUPA_PARTITION_PARAMS(T, C)                                                              \
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                 \
         float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query, \
@@ -26,13 +27,14 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
         float soft_cap, i32 sliding_window, i32 num_tokens, i32 num_heads, i32 num_kv_heads,     \
         i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
         i32 max_partitions, i32 head_chunks, i32 cluster_merge, i32 all_ids_early,             \
-        i32 stagger_sms, i32 stagger_slots, i32 stagger_ns
+        i32 stagger_sms, i32 stagger_slots, i32 stagger_ns, i64 kv_block_stride,                 \
+        i64 kv_head_stride, i32 kv_token_stride
 #define CUPA_PARTITION_ARGS                                                                      \
     out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, kv_scales,            \
         block_tables, seq_lens, query_start_loc, alibi_slopes, sinks, scale, soft_cap,           \
         sliding_window, num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq,     \
         num_blocks, partition_size, max_partitions, head_chunks, cluster_merge, all_ids_early,   \
-        stagger_sms, stagger_slots, stagger_ns
+        stagger_sms, stagger_slots, stagger_ns, kv_block_stride, kv_head_stride, kv_token_stride
 
 // Most new tokens per sequence in one call (multi-token decode for speculative decoding).
 constexpr int MAX_QUERY_LEN = 16;
@@ -217,19 +219,25 @@ CUPA_FN float v_factor(const float* kv_scales, int kv_head, int num_kv_heads) {
     return kv_scales != nullptr ? kv_scales[num_kv_heads + kv_head] : 1.f;
 }
 
-// Where the K/V rows of one (sequence, KV head) live in the paged cache.
+// Where the K/V rows of one (sequence, KV head) live in the paged cache: any dimension order
+// and strides (elements), each row of D elements contiguous.
 struct PagedRows {
-    const i32* table;  // this sequence's block table row
-    i64 head_offset;   // kv_head * block_size * D
-    i64 block_stride;  // num_kv_heads * block_size * D
-    int shift;         // log2(block_size): block sizes are powers of two (checked on the host)
-    int num_blocks, end, D;
+    const i32* table;   // this sequence's block table row
+    i64 head_offset;    // kv_head * the KV-head stride
+    i64 block_stride;   // from one block to the next
+    u32 token_stride;   // from one row of a block to the next (below 2^24: the host's bound)
+    u32 row_mask;       // block_size - 1
+    int shift;          // log2(block_size): block sizes are powers of two (checked on the host)
+    int num_blocks, end;
 
     // Element offset of token t's row given its block id, or -1 for an id outside the cache
     // (or the -1 that marks a token past `end`).
     CUPA_FN i64 row_in_block(int block, int t) const {
         if (block < 0 || block >= num_blocks) return -1;
-        return (i64)block * block_stride + head_offset + (i64)(t & ((1 << shift) - 1)) * D;
+        // A row's offset in its block: both factors have at most 24 significant bits (the
+        // masks of paged_rows), so AMD's compiler issues its full-rate 24-bit multiply, not
+        // the quarter-rate 32-bit one.
+        return (i64)block * block_stride + head_offset + (i64)(((u32)t & row_mask) * token_stride);
     }
 
     // Element offset of token t's row, or -1 at or past `end` or in a block outside the cache.
@@ -239,15 +247,17 @@ struct PagedRows {
 };
 
 CUPA_FN PagedRows paged_rows(const PartitionWork& w, const i32* block_tables, int max_blocks_per_seq,
-                             int num_kv_heads, int block_size, int num_blocks, int D) {
+                             int block_size, int num_blocks, i64 kv_block_stride,
+                             i64 kv_head_stride, int kv_token_stride) {
     PagedRows r;
     r.table = block_tables + (i64)w.seq * max_blocks_per_seq;
-    r.head_offset = (i64)w.kv_head * block_size * D;
-    r.block_stride = (i64)num_kv_heads * block_size * D;
+    r.head_offset = (i64)w.kv_head * kv_head_stride;
+    r.block_stride = kv_block_stride;
+    r.token_stride = (u32)kv_token_stride & 0xffffffu;
+    r.row_mask = (u32)(block_size - 1) & 31u;  // block sizes are at most 32 (problem.py)
     r.shift = __ffs(block_size) - 1;
     r.num_blocks = num_blocks;
     r.end = w.end;
-    r.D = D;
     return r;
 }
 

@@ -164,8 +164,9 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                                            block_size, max_blocks_per_seq, partition_size,
                                            max_partitions, head_chunks, cluster_merge))
         return;
-    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads,
-                                      block_size, num_blocks, D);
+    const PagedRows rows = paged_rows(w, block_tables, max_blocks_per_seq, block_size,
+                                      num_blocks, kv_block_stride, kv_head_stride,
+                                      kv_token_stride);
     const int tid = threadIdx.x, wave = tid / CUPA_WARP, lane = tid % CUPA_WARP;
     const int col = lane % 16, kgroup = G::kgroup(lane);
 

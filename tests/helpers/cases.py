@@ -196,6 +196,28 @@ def quantized_case(case, fmt, rng, per_head=True):
     return codes, dequantized, scales
 
 
+def kv_views(key_cache, value_cache, kv_layout="HND", *, interleaved=False, row_pad=0,
+             poison=np.nan):
+    """A case's caches ("HND", contiguous) as views in `kv_layout`'s dimension order, which
+    cupa reads in place: `interleaved` keeps each block's K and V in one allocation
+    [num_blocks, 2, ...] (FlashInfer's paged KV, vLLM's FlashInfer backend), `row_pad` spaces
+    the rows head_size + row_pad elements apart. Every element between the views' own holds
+    `poison` (give an fp8 code for uint8 caches), so a row read at a wrong stride shows."""
+    if kv_layout == "NHD":
+        key_cache, value_cache = key_cache.swapaxes(1, 2), value_cache.swapaxes(1, 2)
+    head_size = key_cache.shape[3]
+    shape = key_cache.shape[:3] + (head_size + row_pad,)
+    if interleaved:
+        base = np.full((shape[0], 2) + shape[1:], poison, key_cache.dtype)
+        halves = base[:, 0], base[:, 1]
+    else:
+        halves = tuple(np.full(shape, poison, key_cache.dtype) for _ in range(2))
+    views = tuple(half[..., :head_size] for half in halves)
+    views[0][...] = key_cache
+    views[1][...] = value_cache
+    return views
+
+
 def rel_error(out, ref) -> float:
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)

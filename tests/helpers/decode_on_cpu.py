@@ -30,7 +30,7 @@ from cupa.gpu.launch import (PARTITION_POINTERS, REDUCE_POINTERS, kv_scale_facto
 from cupa.gpu.planner import make_plan
 from cupa.problem import default_max_query_len
 from cupa.reference import paged_decode_reference
-from cupa.validation import check_decode_args
+from cupa.validation import check_decode_args, check_kv_layout
 from cases import environ, rel_error
 from cuda_on_cpu import cpu_kernels
 import fuzz_draws
@@ -55,7 +55,7 @@ class CpuDecode:
 def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_lens, *,
                   query_start_loc=None, scale=None, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, sinks=None, kv_format=None, k_scale=None,
-                  v_scale=None, partition_size=None, max_seq_len=None,
+                  v_scale=None, kv_layout=None, partition_size=None, max_seq_len=None,
                   hints_from_arrays=True, max_query_len=None, place=None,
                   sanitize=False, multiprocessors=MULTIPROCESSORS) -> CpuDecode:
     """Decode numpy arrays as cupa would on the target `arch` (an AMD 'gfx942', ..., in its
@@ -68,16 +68,19 @@ def decode_on_cpu(arch: str, query, key_cache, value_cache, block_tables, seq_le
 
     place(name, array, writable) -> array, if given, puts each array the kernels get where
     they will see it (guarded_memory.GuardedArena.place), the outputs and partials writable;
-    sanitize builds the kernels under the sanitizers (in a sanitized_run.py process)."""
-    arrays = [np.ascontiguousarray(a) if a is not None else None
-              for a in (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                        alibi_slopes, sinks)]
+    sanitize builds the kernels under the sanitizers (in a sanitized_run.py process).
+    The caches keep their strides (a view in kv_layout's order is read in place); every other
+    array is made contiguous."""
+    arrays = [a if a is None or i in (1, 2) else np.ascontiguousarray(a)
+              for i, a in enumerate((query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, alibi_slopes, sinks))]
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, \
         sinks = arrays
     shape = check_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                               query_start_loc=query_start_loc, scale=scale,
                               alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                              logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format)
+                              logits_soft_cap=logits_soft_cap, sinks=sinks, kv_format=kv_format,
+                              kv_layout=check_kv_layout(kv_layout))
     if query_start_loc is None:
         new_tokens = 1
     elif hints_from_arrays:
@@ -138,11 +141,14 @@ def selftest_runner(arch: str):
         args = [problem[k] for k in ("query", "key_cache", "value_cache", "block_tables",
                                      "seq_lens")]
         ref, _ = paged_decode_reference(args[0], key_ref, value_ref, *args[3:])
+        pages = selftest.nhd_pages(args[1], args[2])
         outcome = selftest.Outcome()
-        for partition_size in (None, selftest.PARTITION_SIZE):
+        for partition_size, kv_layout in selftest.RUNS:
+            if kv_layout == "NHD":
+                args[1:3] = pages[:, 0], pages[:, 1]
             with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
                 result = decode_on_cpu(arch, *args, **problem["options"],
-                                       partition_size=partition_size,
+                                       partition_size=partition_size, kv_layout=kv_layout,
                                        multiprocessors=SELFTEST_MULTIPROCESSORS.get(
                                            arch, MULTIPROCESSORS),
                                        max_seq_len=max(selftest.SEQ_LENS),
@@ -150,7 +156,7 @@ def selftest_runner(arch: str):
             if result.plan.variant != case.variant:
                 outcome.failure = f"planned {result.plan.variant}, not {case.variant}"
                 return outcome
-            label = f"{partition_size or 'planned'}, {result.plan.max_partitions} partitions"
+            label = selftest.run_label(partition_size, kv_layout, result.plan.max_partitions)
             out = result.out.astype(np.float64)
             outcome.errors[label] = rel_error(out, ref) if np.isfinite(out).all() else np.nan
         return outcome

@@ -55,12 +55,17 @@ class GuardedArena:
         self._mappings: list[tuple[int, int]] = []
 
     def place(self, name: str, array: np.ndarray | None, *, writable: bool = False):
-        """A copy of `array` (C order) in its own guarded mapping; None stays None."""
+        """A copy of `array` in its own guarded mapping; None stays None. A view with positive
+        strides keeps them, the bytes between its elements poisoned (0xff: NaN in float16 and
+        bfloat16, -NaN in float32); anything else is copied in C order."""
         if array is None:
             return None
-        array = np.ascontiguousarray(array)
+        if array.size == 0 or min(array.strides, default=1) <= 0:
+            array = np.ascontiguousarray(array)
+        extent = (sum((d - 1) * s for d, s in zip(array.shape, array.strides)) + array.itemsize
+                  if array.size else 0)
         page = mmap.PAGESIZE
-        nbytes = max(array.nbytes, 1)
+        nbytes = max(extent, 1)
         data_bytes = -(-nbytes // page) * page
         total = 2 * GUARD_BYTES + data_bytes
         base = _libc.mmap(None, total, _PROT_NONE,
@@ -73,12 +78,13 @@ class GuardedArena:
         start = data
         if self.placement == "end":
             start = (data + data_bytes - nbytes) // ALIGNMENT * ALIGNMENT
-        buffer = (ctypes.c_char * array.nbytes).from_address(start)
-        placed = np.frombuffer(buffer, dtype=array.dtype).reshape(array.shape)
+        buffer = (ctypes.c_char * nbytes).from_address(start)
+        ctypes.memset(start, 0xFF, nbytes)
+        placed = np.ndarray(array.shape, array.dtype, buffer, strides=array.strides)
         placed[...] = array
         if not writable:
             _check(_libc.mprotect(data, data_bytes, mmap.PROT_READ), "mprotect")
-        self.regions.append((name, start, array.nbytes))
+        self.regions.append((name, start, nbytes))
         return placed
 
     def close(self):

@@ -11,7 +11,8 @@ and, for a fault, which array the address was next to.
 
 Jobs (dicts, pickled):
 - {"kind": "decode", "arch", "placement", "arrays": {name: array} of decode_on_cpu's arrays
-  (query, key_cache, ..., sinks), "options": its other keywords}
+  (query, key_cache, ..., sinks), "options": its other keywords; optionally "kv_view":
+  cases.kv_views's keywords, to read the caches as such a view}
   -> {"out", "lse", "variant"}
 - {"kind": "cache_write", "arch", "placement", "arrays": {"key", "value", "key_cache",
   "value_cache", "slots"}, "kv_format", "k_scale", "v_scale"}
@@ -112,7 +113,12 @@ def _report(job: dict, child) -> str:
 
 def _run_decode(job: dict, place) -> dict:
     from decode_on_cpu import decode_on_cpu
-    result = decode_on_cpu(job["arch"], **job["arrays"], **job["options"], place=place,
+    arrays = dict(job["arrays"])
+    if "kv_view" in job:  # strided views are built here: a pickle would make them contiguous
+        from cases import kv_views
+        arrays["key_cache"], arrays["value_cache"] = kv_views(
+            arrays["key_cache"], arrays["value_cache"], **job["kv_view"])
+    result = decode_on_cpu(job["arch"], **arrays, **job["options"], place=place,
                            sanitize=True)
     return {"out": np.array(result.out), "lse": np.array(result.lse),
             "variant": repr(result.plan.variant)}

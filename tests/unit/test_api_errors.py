@@ -50,6 +50,29 @@ def strided(array, axis=-1):
     return view
 
 
+def padded_rows(array, pad):
+    """The values of `array` in rows `pad` elements longer than head_size (a view)."""
+    wide = np.zeros(array.shape[:-1] + (array.shape[-1] + pad,), array.dtype)
+    wide[..., :array.shape[-1]] = array
+    return wide[..., :array.shape[-1]]
+
+
+def with_stride(array, axis, stride):
+    """A view of `array` with `stride` bytes on `axis` (never read: the strides are refused
+    first)."""
+    strides = list(array.strides)
+    strides[axis] = stride
+    return np.lib.stride_tricks.as_strided(array, strides=strides, writeable=False)
+
+
+def huge_block_stride(array):
+    return with_stride(array, 0, 2**32)
+
+
+def huge_token_stride(array):
+    return with_stride(array, 2, 2**24 * array.itemsize)
+
+
 def fp8_cache(case):
     codes = np.zeros(case.key_cache.shape, np.uint8)
     return dict(key_cache=codes, value_cache=codes.copy(), kv_format="fp8_e4m3")
@@ -89,8 +112,37 @@ DECODE_CASES = {
                         "key_cache: dtype must match query (float16), got float32"),
     "value-cache-dtype": (lambda c: dict(value_cache=c.value_cache.astype(np.float32)),
                           TypeError, "value_cache: dtype must match query (float16)"),
-    "key-cache-contiguity": (lambda c: dict(key_cache=np.asfortranarray(c.key_cache)),
-                             ValueError, "key_cache: must be C-contiguous"),
+    "key-cache-contiguity": (lambda c: dict(key_cache=np.asfortranarray(c.key_cache),
+                                            value_cache=np.asfortranarray(c.value_cache)),
+                             ValueError, "key_cache / value_cache (kv_layout='HND'): each row of "
+                             "head_size elements must be contiguous"),
+    "value-cache-strides": (lambda c: dict(value_cache=strided(c.value_cache, axis=0)),
+                            ValueError, "value_cache: strides must equal key_cache's "
+                            "(4096, 2048, 128, 2) (bytes)"),
+    "key-cache-stride-alignment": (lambda c: dict(key_cache=padded_rows(c.key_cache, 4),
+                                                  value_cache=padded_rows(c.value_cache, 4)),
+                                   ValueError, "key_cache / value_cache (kv_layout='HND'): the "
+                                   "token stride must be a positive multiple of 16 bytes, got "
+                                   "136"),
+    "key-cache-reversed": (lambda c: dict(key_cache=c.key_cache[::-1], value_cache=c.value_cache[::-1]),
+                           ValueError, "key_cache / value_cache (kv_layout='HND'): the block "
+                           "stride must be a positive multiple of 16 bytes, got -4096"),
+    "key-cache-block-stride-4gib": (lambda c: dict(key_cache=huge_block_stride(c.key_cache),
+                                                   value_cache=huge_block_stride(c.value_cache)),
+                                    ValueError, "key_cache / value_cache (kv_layout='HND'): the "
+                                    "block stride must be below 2^32 bytes, got 4294967296"),
+    "key-cache-token-stride-16m": (lambda c: dict(key_cache=huge_token_stride(c.key_cache),
+                                                   value_cache=huge_token_stride(c.value_cache)),
+                                    ValueError, "key_cache / value_cache (kv_layout='HND'): the "
+                                    "token stride must be below 2^24 elements, got 16777216"),
+    "kv-layout-unknown": (lambda c: dict(kv_layout="nhd"), ValueError,
+                          "kv_layout: must be one of ('HND', 'NHD') or None, got 'nhd'"),
+    "key-cache-ndim-nhd": (lambda c: dict(key_cache=c.key_cache[0], value_cache=c.value_cache[0],
+                                          kv_layout="NHD"),
+                           ValueError, "key_cache: expected shape [num_blocks, block_size, "
+                           "num_kv_heads, head_size] (kv_layout='NHD')"),
+    "block-size-nhd": (lambda c: dict(kv_layout="NHD"), ValueError,
+                       "key_cache: block_size (dim 1) must be one of (8, 16, 32), got 2"),
     "key-cache-head-size": (lambda c: dict(key_cache=c.key_cache[..., :32].copy(),
                                            value_cache=c.value_cache[..., :32].copy()),
                             ValueError, "key_cache: head_size (last dim) must equal query's 64, "

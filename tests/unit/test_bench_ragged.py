@@ -184,17 +184,19 @@ def fake_cupy(seed=0):
             standard_normal=lambda shape, dtype: rng.standard_normal(shape).astype(dtype)))
 
 
-def test_the_rows_timing_code_runs_end_to_end(monkeypatch, capsys):
-    """The whole row on the numpy backend with one query head of size 64: cupa's two hint
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_the_rows_timing_code_runs_end_to_end(monkeypatch, capsys, kv_layout):
+    """The whole row on the numpy backend with two heads of size 64: cupa's two hint
     sets, the plans, the FlashInfer peer (not installed here, or failing without a GPU: left
-    out of the row, never fatal), the printed lines."""
+    out of the row, never fatal), the printed lines; the caches in either layout."""
     monkeypatch.setattr(ragged, "eager_us", lambda cupy, launch: (launch(), 250.0)[1])
-    args = bench_args("--heads", "1", "--kv-heads", "1", "--head-size", "64")
+    args = bench_args("--heads", "2", "--kv-heads", "2", "--head-size", "64",
+                      "--kv-layout", kv_layout)
     timer = FakeTimer(200.0)
     rows = ragged.ragged_rows(fake_cupy(), timer, args, 4.3, ["longtail64", "mixed128"])
     assert [r["ragged"] for r in rows] == ["longtail64", "mixed128"] and timer.calls == 4
     for row in rows:
-        assert "error" not in row
+        assert "error" not in row and row["kv_layout"] == kv_layout
         assert row["cupa_us"] == 200.0 and row["cupa_eager_us"] == 250.0
         assert row["cupa_longest_hint_us"] == 200.0 and row["flashinfer_us"] is None
         assert row["read_floor_fraction"] == pytest.approx(row["read_floor_us"] / 200.0)

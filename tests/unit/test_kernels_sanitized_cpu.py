@@ -193,6 +193,27 @@ def test_decode_leaves_bad_block_ids_out_and_clamps_lengths(rng, tmp_path, arch,
         assert rel_error(result["lse"][s][finite], ref_lse[s][finite]) < REL_BOUND["float16"]
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("arch, kernel", [("gfx942", "auto"), ("gfx1100", "portable"),
+                                          ("sm_80", "auto"), ("sm_90", "auto")])
+def test_decode_reads_strided_views_inside_them(rng, tmp_path, arch, kernel, placement):
+    """The same hostile tables with the caches as "NHD" views, K and V interleaved in one
+    allocation per block and rows padded (poison between the views' elements): the stride
+    arithmetic stays inside each view, a view's last row flush against the guard."""
+    query, key, value, tables, lengths, clamped = hostile_tables(rng)
+    query, key, value = (a.astype(np.float16) for a in (query, key, value))
+    result = run_sanitized({
+        "kind": "decode", "arch": arch, "placement": placement,
+        "environ": {"CUPA_KERNEL": kernel},
+        "arrays": dict(query=query, key_cache=key, value_cache=value, block_tables=tables,
+                       seq_lens=lengths),
+        "kv_view": dict(kv_layout="NHD", interleaved=True, row_pad=8),
+        "options": dict(kv_layout="NHD", partition_size=PARTITION,
+                        max_seq_len=WIDTH * BLOCK_SIZE, hints_from_arrays=False)}, tmp_path)
+    ref, _ = reference_without_bad_blocks(query, key, value, tables, clamped)
+    assert rel_error(result["out"], ref) < REL_BOUND["float16"], result["variant"]
+
+
 FUZZ_DRAWS = 8
 
 

@@ -86,10 +86,15 @@ def test_every_case_plans_its_variant_on_the_selftest_problem(arch, multiprocess
     assert {c.form for c in cases} == forms.get(arch, {None})
     for case in cases:
         problem = selftest.make_problem(case, np.random.default_rng(0))
-        shape = check_decode_args(*(problem[k] for k in ("query", "key_cache", "value_cache",
-                                                         "block_tables", "seq_lens")),
-                                  kv_format=problem["options"].get("kv_format"))
-        for partition_size in (None, selftest.PARTITION_SIZE):
+        args = [problem[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                     "seq_lens")]
+        pages = selftest.nhd_pages(args[1], args[2])
+        for partition_size, kv_layout in selftest.RUNS:
+            if kv_layout == "NHD":
+                args[1:3] = pages[:, 0], pages[:, 1]
+            shape = check_decode_args(*args, kv_format=problem["options"].get("kv_format"),
+                                      kv_layout=kv_layout)
+            assert (shape.kv_strides is None) == (kv_layout == "HND")
             with dispatch.switches_set(dispatch.FORM_SWITCHES.get(case.form, {})):
                 plan = make_plan(shape, multiprocessors, arch=arch,
                                  partition_size=partition_size,

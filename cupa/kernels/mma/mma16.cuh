@@ -126,7 +126,8 @@ CUPA_FN void decode_partition_mma16(
     mask_lo.init(w, r_lo, alibi_slopes, sliding_window);
     mask_hi.init(w, r_hi, alibi_slopes, sliding_window);
     start_stream(kv, ring, w, key_cache, value_cache, block_tables, max_blocks_per_seq,
-                 num_kv_heads, block_size, num_blocks, ids_started);
+                 block_size, num_blocks, kv_block_stride, kv_head_stride, kv_token_stride,
+                 ids_started);
     CUPA_PHASE_STAMP(PHASE_STREAM_STARTED);
 
     float acc[NT][4];

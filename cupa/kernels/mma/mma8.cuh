@@ -68,7 +68,8 @@ CUPA_FN void decode_partition_mma8(
     mask_e.init(w, 2 * c, alibi_slopes, sliding_window);
     mask_o.init(w, 2 * c + 1, alibi_slopes, sliding_window);
     start_stream(kv, ring, w, key_cache, value_cache, block_tables, max_blocks_per_seq,
-                 num_kv_heads, block_size, num_blocks, ids_started);
+                 block_size, num_blocks, kv_block_stride, kv_head_stride, kv_token_stride,
+                 ids_started);
     CUPA_PHASE_STAMP(PHASE_STREAM_STARTED);
 
     float acc[MT][4];  // O^T: rows dims F::dim(2i, g) / F::dim(2i + 1, g), columns rows 2c, 2c+1

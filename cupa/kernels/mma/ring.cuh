@@ -257,7 +257,8 @@ struct KvStream {
 #pragma unroll
         for (int f = 0; f < R::PHASES; ++f) {
             const int row = (start_ + r0 + f * R::ROWS_PER_PASS) & ((1 << rows.shift) - 1);
-            const i64 unit = (rows.head_offset + (i64)row * D) * (i64)sizeof(C) + 16 * u;
+            const i64 unit = (rows.head_offset + (i64)row * rows.token_stride) * (i64)sizeof(C)
+                             + 16 * u;
             k_src[f] = pinned(reinterpret_cast<const unsigned char*>(k) + unit);
             v_src[f] = pinned(reinterpret_cast<const unsigned char*>(v) + unit);
         }
@@ -365,11 +366,12 @@ CUPA_FN bool claim_partition(PartitionWork& w, CUPA_PARTITION_PARAMS(T, C)) {
 template <typename C, int D, int DENSE_STAGES>
 CUPA_FN void start_stream(KvStream<C, D, DENSE_STAGES>& kv, unsigned char* ring,
                           const PartitionWork& w, const C* key_cache, const C* value_cache,
-                          const i32* block_tables, int max_blocks_per_seq, int num_kv_heads,
-                          int block_size, int num_blocks, bool ids_started) {
+                          const i32* block_tables, int max_blocks_per_seq, int block_size,
+                          int num_blocks, i64 kv_block_stride, i64 kv_head_stride,
+                          int kv_token_stride, bool ids_started) {
     kv.begin(ring, key_cache, value_cache,
-             paged_rows(w, block_tables, max_blocks_per_seq, num_kv_heads, block_size,
-                        num_blocks, D),
+             paged_rows(w, block_tables, max_blocks_per_seq, block_size, num_blocks,
+                        kv_block_stride, kv_head_stride, kv_token_stride),
              w.start, ids_started);
 }
 
