@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..problem import KV_LAYOUTS, STORAGE_DTYPES
+from ..problem import DEFAULT_KV_LAYOUT, KV_LAYOUTS, STORAGE_DTYPES
 
 # The read flush reads every word of the flush buffer and writes nothing (the branch never
 # fires, but the compiler cannot know that, so the loads stay).
@@ -119,11 +119,14 @@ def copy_floor_us(nbytes: int, ceiling_tbs: float) -> float:
 
 
 def random_kv(cupy, num_blocks: int, args):
-    """Random key and value caches of `num_blocks` blocks in the bench's layout and dtype."""
+    """Random key and value caches of `num_blocks` blocks in the bench's layout and dtype. The
+    device tools (tools/decode_problem.py) pass arguments without a kv_layout: their caches are
+    the default layout, which their decode calls assume."""
     np_dtype = STORAGE_DTYPES[args.dtype]
     sizes = dict(num_blocks=num_blocks, num_kv_heads=args.kv_heads, block_size=args.block_size,
                  head_size=args.head_size)
-    shape = tuple(sizes[dim] for dim in KV_LAYOUTS[args.kv_layout])
+    layout = getattr(args, "kv_layout", DEFAULT_KV_LAYOUT)
+    shape = tuple(sizes[dim] for dim in KV_LAYOUTS[layout])
     return tuple(cupy.random.standard_normal(shape, dtype=cupy.float32).astype(np_dtype)
                  for _ in range(2))
 
