@@ -17,7 +17,7 @@ STORAGE_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtype
 SUPPORTED_DTYPES = tuple(STORAGE_DTYPES)
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 # At most 32: the tensor-core kernels' copies rely on it (KvRing::MAX_BLOCK_SIZE in decode_mma.cu).
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
 # The caches' dimension orders: where the KV-head and token axes sit in a 4-d cache
 # [num_blocks, ., ., head_size]. "HND" is cupa's own (PagedKVCache), "NHD" vLLM's
 # flash-attention backend's. The kernels see only element strides (DecodeShape), so a

@@ -113,8 +113,9 @@ merged = dict(runs[0], graphs=[True, False], results=runs[0]["results"] + runs[1
 PY
 fi
 if [ "$what" = breadth ]; then
-  # The "also within 10% of the best peer" configurations, one bench run each;
-  # CUPA_BREADTH="group16 head64" runs only those.
+  # The "also within 10% of the best peer" configurations, one bench run each, and the
+  # cache layouts and block sizes of v52 (never timed yet); CUPA_BREADTH="group16 head64" runs
+  # only those.
   while read -r name flags; do
     case " ${CUPA_BREADTH:-$name} " in *" $name "*) ;; *) continue ;; esac
     echo "== $name: $flags"
@@ -133,6 +134,9 @@ head96 --head-size 96
 head80_mha --head-size 80 --heads 32 --kv-heads 32
 head192 --head-size 192
 head112 --head-size 112
+nhd --kv-layout NHD
+block1 --block-size 1
+block4 --block-size 4
 CONFIGS
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

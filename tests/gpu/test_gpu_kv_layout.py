@@ -1,6 +1,7 @@
 """Cache layouts on the GPU: "NHD" caches and strided views (K and V interleaved per block,
-padded rows) read in place by every kernel, against the float64 reference; the plan cache keeps
-layouts apart; misaligned views are refused, cached plans included.
+padded rows) and blocks of 1, 2 and 4 tokens, read in place by every kernel, against the
+float64 reference; the plan cache keeps layouts apart; misaligned views are refused, cached
+plans included.
 
 Skips without a GPU; runs unchanged on CUDA and ROCm. The CPU twin of the kernels' part is
 tests/unit/test_kv_layout_kernels_cpu.py.
@@ -66,6 +67,19 @@ def decode_views(case, view, caches=None, poison=np.nan, **options):
 def test_views_match_the_reference(rng, view, dtype, head_size, group):
     case = make_case(rng, dtype=dtype, head_size=head_size, num_kv_heads=2, group=group,
                      seq_lens=LENGTHS, alibi=True)
+    ref, _ = paged_decode_reference(*case.args(), **case.options())
+    for got, where in decode_views(case, view):
+        assert np.isfinite(got).all(), where
+        assert rel_error(got, ref) <= REL_BOUND[dtype], where
+
+
+@pytest.mark.parametrize("view", ["hnd-interleaved", "nhd-interleaved"])
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("dtype, head_size, group", [("float16", 128, 8), ("bfloat16", 64, 2)])
+def test_small_blocks(rng, view, block_size, dtype, head_size, group):
+    """Blocks of 1, 2 and 4 tokens (1: token-level paging)."""
+    case = make_case(rng, dtype=dtype, head_size=head_size, block_size=block_size,
+                     num_kv_heads=2, group=group, seq_lens=LENGTHS, sliding_window=500)
     ref, _ = paged_decode_reference(*case.args(), **case.options())
     for got, where in decode_views(case, view):
         assert np.isfinite(got).all(), where

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupa.problem import SUPPORTED_HEAD_SIZES
+from cupa.problem import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
 from cupa.reference import paged_decode_reference
 
 from cases import FP8_REL_BOUND, REL_BOUND, make_case, quantized_case, rel_error
@@ -61,7 +61,7 @@ def fresh_seed() -> int:
 def draw(rng) -> Draw:
     dtype = str(rng.choice(["float16", "bfloat16", "float32"]))
     kv_format = str(rng.choice(FORMATS)) if dtype != "float32" and rng.random() < 0.25 else None
-    block_size = int(rng.choice([8, 16, 32]))
+    block_size = int(rng.choice(SUPPORTED_BLOCK_SIZES))
     partition_size = int(rng.choice([128, 256, 512])) if rng.random() < 0.5 else None
     # Lengths at block and partition boundaries (+-1), zero, one and a few long ones.
     edges = [block_size, partition_size or 256]

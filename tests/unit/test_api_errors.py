@@ -141,15 +141,16 @@ DECODE_CASES = {
                                           kv_layout="NHD"),
                            ValueError, "key_cache: expected shape [num_blocks, block_size, "
                            "num_kv_heads, head_size] (kv_layout='NHD')"),
-    "block-size-nhd": (lambda c: dict(kv_layout="NHD"), ValueError,
-                       "key_cache: block_size (dim 1) must be one of (8, 16, 32), got 2"),
+    "hnd-caches-as-nhd": (lambda c: dict(kv_layout="NHD"), ValueError,
+                          "num_heads (4, query dim 1) must be a multiple of num_kv_heads (16, "
+                          "key_cache dim 2)"),
     "key-cache-head-size": (lambda c: dict(key_cache=c.key_cache[..., :32].copy(),
                                            value_cache=c.value_cache[..., :32].copy()),
                             ValueError, "key_cache: head_size (last dim) must equal query's 64, "
                             "got 32"),
     "block-size-12": (lambda c: dict(key_cache=c.key_cache[:, :, :12].copy(),
                                      value_cache=c.value_cache[:, :, :12].copy()),
-                      ValueError, "key_cache: block_size (dim 2) must be one of (8, 16, 32), "
+                      ValueError, "key_cache: block_size (dim 2) must be one of (1, 2, 4, 8, 16, 32), "
                       "got 12"),
     "gqa-not-dividing": (lambda c: dict(query=np.zeros((2, 3, 64), np.float16)), ValueError,
                          "num_heads (3, query dim 1) must be a multiple of num_kv_heads (2, "

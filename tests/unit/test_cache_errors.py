@@ -391,7 +391,7 @@ CONSTRUCTOR_CASES = {
     "init-head-size-72-fp8": (dict(head_size=72, kv_format="fp8_e4m3"), ValueError,
                               "head_size: must be one of"),
     "init-block-size-12": (dict(block_size=12), ValueError,
-                           "block_size: must be one of (8, 16, 32)"),
+                           "block_size: must be one of (1, 2, 4, 8, 16, 32)"),
     "init-block-size-64": (dict(block_size=64), ValueError, "block_size: must be one of"),
     "init-num-layers-0": (dict(num_layers=0), ValueError,
                           "num_layers: must be a positive integer, got 0"),

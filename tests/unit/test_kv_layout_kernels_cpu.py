@@ -1,4 +1,5 @@
-"""Every kernel reads caches in "NHD" order and in strided views, on the CPU
+"""Every kernel reads caches in "NHD" order and in strided views, and blocks of 1, 2 and 4
+tokens, on the CPU
 (tests/helpers/decode_on_cpu.py): the AMD targets' emulated builds (matrix-core and portable
 kernels) and the NVIDIA tensor-core kernels in each form, planned and launched with cupa's own
 arguments, the caches' element strides among them.
@@ -70,6 +71,17 @@ def test_nhd_at_other_block_sizes(rng, kernel, block_size):
     case = make_case(rng, dtype="bfloat16", block_size=block_size, num_kv_heads=4, group=2,
                      seq_lens=LENGTHS, alibi=True, sliding_window=200, new_tokens=2)
     check_result(run(case, "nhd-interleaved", kernel, None), case, REL_BOUND["bfloat16"])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_small_blocks(rng, kernel, block_size):
+    """Blocks of 1, 2 and 4 tokens (1: token-level paging), "HND" and "NHD" interleaved;
+    lengths that end inside and on a block, partitions of 64 and the planner's."""
+    case = make_case(rng, block_size=block_size, num_kv_heads=2, group=4,
+                     seq_lens=(0, 1, 3, 16, 37, 300))
+    for view, partition_size in (("hnd-interleaved", 64), ("nhd-interleaved", None)):
+        check_result(run(case, view, kernel, partition_size), case, REL_BOUND["float16"])
 
 
 @pytest.mark.parametrize("kernel, fmt", [("sm_90-8-column", "fp8_e4m3"),
