@@ -114,8 +114,8 @@ PY
 fi
 if [ "$what" = breadth ]; then
   # The "also within 10% of the best peer" configurations, one bench run each, and the
-  # cache layouts and block sizes of v52 (never timed yet); CUPA_BREADTH="group16 head64" runs
-  # only those.
+  # cache layouts and block sizes of v52 (timed without peers in session 47);
+  # CUPA_BREADTH="group16 nhd" runs only those.
   while read -r name flags; do
     case " ${CUPA_BREADTH:-$name} " in *" $name "*) ;; *) continue ;; esac
     echo "== $name: $flags"
