@@ -25,7 +25,8 @@ FP8_FORMAT = "fp8_e4m3"
 
 
 def _problem(cupy, rng, batch, seq_len, args, query_len=1):
-    query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args)
+    query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args,
+                                                              args.kv_layout)
     if query_len > 1:
         query = cupy.random.standard_normal((batch * query_len,) + query.shape[1:],
                                             dtype=cupy.float32).astype(query.dtype)

@@ -118,15 +118,13 @@ def copy_floor_us(nbytes: int, ceiling_tbs: float) -> float:
     return nbytes / (ceiling_tbs * 1e12) * 1e6
 
 
-def random_kv(cupy, num_blocks: int, args):
-    """Random key and value caches of `num_blocks` blocks in the bench's layout and dtype. The
-    device tools (tools/decode_problem.py) pass arguments without a kv_layout: their caches are
-    the default layout, which their decode calls assume."""
+def random_kv(cupy, num_blocks: int, args, kv_layout: str = DEFAULT_KV_LAYOUT):
+    """Random key and value caches of `num_blocks` blocks in `args`' sizes and dtype, their
+    dimensions in the order `kv_layout` names."""
     np_dtype = STORAGE_DTYPES[args.dtype]
     sizes = dict(num_blocks=num_blocks, num_kv_heads=args.kv_heads, block_size=args.block_size,
                  head_size=args.head_size)
-    layout = getattr(args, "kv_layout", DEFAULT_KV_LAYOUT)
-    shape = tuple(sizes[dim] for dim in KV_LAYOUTS[layout])
+    shape = tuple(sizes[dim] for dim in KV_LAYOUTS[kv_layout])
     return tuple(cupy.random.standard_normal(shape, dtype=cupy.float32).astype(np_dtype)
                  for _ in range(2))
 
@@ -137,11 +135,12 @@ def random_query(cupy, num_tokens: int, args):
                                        dtype=cupy.float32).astype(STORAGE_DTYPES[args.dtype])
 
 
-def make_problem(cupy, rng, batch, seq_len, args):
-    """Random query and paged KV (blocks in shuffled order) of exactly batch x seq_len tokens."""
+def make_problem(cupy, rng, batch, seq_len, args, kv_layout: str = DEFAULT_KV_LAYOUT):
+    """Random query and paged KV (blocks in shuffled order) of exactly batch x seq_len tokens,
+    the caches in `kv_layout`'s order."""
     blocks_per_seq = -(-seq_len // args.block_size)
     num_blocks = batch * blocks_per_seq
-    key, value = random_kv(cupy, num_blocks, args)
+    key, value = random_kv(cupy, num_blocks, args, kv_layout)
     tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
     query = random_query(cupy, batch, args)
     lens = np.full(batch, seq_len, np.int32)

@@ -104,7 +104,8 @@ def main(args) -> int:
     print(header)
     for n, (batch, seq_len) in enumerate(shapes, 1):
         start = time.perf_counter()
-        query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args)
+        query, key, value, tables, lens, tables_np = make_problem(cupy, rng, batch, seq_len, args,
+                                                                   args.kv_layout)
         out = cupy.empty_like(query)
         kv_bytes = kv_read_bytes(batch * seq_len, args)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..api import decode, plan_decode
+from ..problem import DEFAULT_KV_LAYOUT
 from .harness import copy_floor_us, eager_us, kv_read_bytes, random_kv, random_query
 from .peers import flashinfer_page_arrays, flashinfer_peer, prepare_peer
 
@@ -159,10 +160,10 @@ def ragged_row(batch: RaggedBatch, args, ceiling_tbs: float, figures: dict) -> d
     return row
 
 
-def ragged_arrays(cupy, batch: RaggedBatch, args):
+def ragged_arrays(cupy, batch: RaggedBatch, args, kv_layout: str = DEFAULT_KV_LAYOUT):
     """(query, key, value, block_tables, seq_lens, hints) of `batch` on the device: random query
-    and K/V in the bench's layout, and both length hints, as a serving loop has them."""
-    key, value = random_kv(cupy, batch.num_blocks, args)
+    and K/V in `kv_layout`'s order, and both length hints, as a serving loop has them."""
+    key, value = random_kv(cupy, batch.num_blocks, args, kv_layout)
     query = random_query(cupy, batch.num_seqs, args)
     tables, lens = cupy.asarray(batch.block_tables), cupy.asarray(batch.seq_lens)
     return query, key, value, tables, lens, dict(max_seq_len=batch.longest,
@@ -171,7 +172,7 @@ def ragged_arrays(cupy, batch: RaggedBatch, args):
 
 def time_ragged(cupy, timer, batch: RaggedBatch, args, ceiling_tbs: float) -> dict:
     """Time cupa (both hints, then the longest alone) and FlashInfer on `batch`; its row."""
-    query, key, value, tables, lens, hints = ragged_arrays(cupy, batch, args)
+    query, key, value, tables, lens, hints = ragged_arrays(cupy, batch, args, args.kv_layout)
     out = cupy.empty_like(query)
     longest_only = dict(max_seq_len=batch.longest)
 

@@ -31,7 +31,7 @@ from cupa.gpu.planner import make_plan
 from cupa.problem import default_max_query_len
 from cupa.reference import paged_decode_reference
 from cupa.validation import check_decode_args, check_kv_layout
-from cases import environ, rel_error
+from cases import REL_BOUND, environ, make_case, rel_error
 from cuda_on_cpu import cpu_kernels
 import fuzz_draws
 
@@ -177,6 +177,16 @@ def check_result(result: CpuDecode, case, bound, reference_caches=None):
     assert np.array_equal(np.isfinite(result.lse), finite)
     assert rel_error(result.lse[finite], ref_lse[finite]) < bound
     assert (result.lse[~finite] == -np.inf).all()
+
+
+def check_options_together(rng, arch: str, variant_class):
+    """A sliding window, ALiBi, a soft cap and attention sinks together on shared blocks, in
+    64-token partitions at `arch`, which must launch a `variant_class` kernel."""
+    case = make_case(rng, num_kv_heads=2, group=4, seq_lens=(1, 37, 300), alibi=True,
+                     sliding_window=70, logits_soft_cap=20.0, sinks=True)
+    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
+    assert isinstance(result.plan.variant, variant_class)
+    check_result(result, case, REL_BOUND["float16"])
 
 
 def check_fuzz_draws(targets: tuple, count: int):

@@ -18,8 +18,8 @@ from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import (check_fuzz_draws, check_result, check_selftest_sample,
-                           decode_on_cpu)
+from decode_on_cpu import (check_fuzz_draws, check_options_together, check_result,
+                           check_selftest_sample, decode_on_cpu)
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
@@ -67,12 +67,7 @@ def test_matrix_kernel_two_row_tiles(rng, arch):
 
 @pytest.mark.parametrize("arch", TARGETS)
 def test_matrix_kernel_options(rng, arch):
-    """A sliding window, ALiBi, a soft cap and attention sinks together, shared blocks."""
-    case = make_case(rng, num_kv_heads=2, group=4, seq_lens=(1, 37, 300), alibi=True,
-                     sliding_window=70, logits_soft_cap=20.0, sinks=True)
-    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
-    assert isinstance(result.plan.variant, DecodeMatrixVariant)
-    check_result(result, case, REL_BOUND["float16"])
+    check_options_together(rng, arch, DecodeMatrixVariant)
 
 
 # The fp8 formats each target reads: e4m3fnuz by gfx942's own conversion, OCP e4m3 by gfx1201's;

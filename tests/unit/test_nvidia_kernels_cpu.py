@@ -20,8 +20,8 @@ from cupa.gpu.catalogue import DecodeMmaVariant
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import (check_fuzz_draws, check_result, check_selftest_sample,
-                           decode_on_cpu)
+from decode_on_cpu import (check_fuzz_draws, check_options_together, check_result,
+                           check_selftest_sample, decode_on_cpu)
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
@@ -71,12 +71,7 @@ def test_cluster_merge(rng, head_size, group, new_tokens):
 
 @pytest.mark.parametrize("arch", TARGETS)
 def test_tensor_core_kernels_options(rng, arch):
-    """A sliding window, ALiBi, a soft cap and attention sinks together, shared blocks."""
-    case = make_case(rng, num_kv_heads=2, group=4, seq_lens=(1, 37, 300), alibi=True,
-                     sliding_window=70, logits_soft_cap=20.0, sinks=True)
-    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
-    assert isinstance(result.plan.variant, DecodeMmaVariant)
-    check_result(result, case, REL_BOUND["float16"])
+    check_options_together(rng, arch, DecodeMmaVariant)
 
 
 # OCP e4m3 widens by the hardware conversion on sm_89+ (the shim's exact one here), e4m3fnuz and
