@@ -31,7 +31,7 @@ from cupa.gpu.planner import make_plan
 from cupa.problem import default_max_query_len
 from cupa.reference import paged_decode_reference
 from cupa.validation import check_decode_args, check_kv_layout
-from cases import REL_BOUND, environ, make_case, rel_error
+from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case, rel_error
 from cuda_on_cpu import cpu_kernels
 import fuzz_draws
 
@@ -179,6 +179,10 @@ def check_result(result: CpuDecode, case, bound, reference_caches=None):
     assert (result.lse[~finite] == -np.inf).all()
 
 
+# The lengths the kernel tests mix: empty, one token, one whole block, a tail, several partitions.
+LENGTHS = (0, 1, 16, 37, 300)
+
+
 def check_options_together(rng, arch: str, variant_class):
     """A sliding window, ALiBi, a soft cap and attention sinks together on shared blocks, in
     64-token partitions at `arch`, which must launch a `variant_class` kernel."""
@@ -187,6 +191,18 @@ def check_options_together(rng, arch: str, variant_class):
     result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
     assert isinstance(result.plan.variant, variant_class)
     check_result(result, case, REL_BOUND["float16"])
+
+
+def check_fp8_case(rng, arch: str, fmt: str, head_size: int, group: int, variant_class):
+    """An fp8 cache of format `fmt` with per-KV-head scales at `arch` (which must launch a
+    `variant_class` kernel), against the reference on the dequantised cache."""
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
+    (key_codes, value_codes), dequantized, (k_scale, v_scale) = quantized_case(case, fmt, rng)
+    result = decode_on_cpu(arch, case.query, key_codes, value_codes, case.block_tables,
+                           case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
+                           v_scale=v_scale)
+    assert isinstance(result.plan.variant, variant_class)
+    check_result(result, case, FP8_REL_BOUND, reference_caches=dequantized)
 
 
 def check_fuzz_draws(targets: tuple, count: int):

@@ -16,16 +16,16 @@ import pytest
 
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 
-from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
+from cases import REL_BOUND, environ, make_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import (check_fuzz_draws, check_options_together, check_result,
-                           check_selftest_sample, decode_on_cpu)
+from decode_on_cpu import (LENGTHS, check_fp8_case, check_fuzz_draws,
+                           check_options_together, check_result, check_selftest_sample,
+                           decode_on_cpu)
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
 
 TARGETS = ("gfx90a", "gfx942", "gfx1100", "gfx1201")
-LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -81,13 +81,7 @@ FP8_CASES = [("gfx90a", "fp8_e4m3", 128), ("gfx942", "fp8_e4m3fnuz", 128),
 
 @pytest.mark.parametrize("arch, fmt, head_size", FP8_CASES)
 def test_matrix_kernel_fp8_cache(rng, arch, fmt, head_size):
-    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=8, seq_lens=LENGTHS)
-    (key_codes, value_codes), dequantized, (k_scale, v_scale) = quantized_case(case, fmt, rng)
-    result = decode_on_cpu(arch, case.query, key_codes, value_codes, case.block_tables,
-                           case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
-                           v_scale=v_scale)
-    assert isinstance(result.plan.variant, DecodeMatrixVariant)
-    check_result(result, case, FP8_REL_BOUND, reference_caches=dequantized)
+    check_fp8_case(rng, arch, fmt, head_size, 8, DecodeMatrixVariant)
 
 
 @pytest.mark.parametrize("arch, dtype, head_size, kernel", [

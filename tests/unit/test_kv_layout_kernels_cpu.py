@@ -19,12 +19,11 @@ from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeMmaVariant, DecodeVari
 
 from cases import FP8_REL_BOUND, REL_BOUND, environ, kv_views, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import check_result, decode_on_cpu
+from decode_on_cpu import LENGTHS, check_result, decode_on_cpu
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
 
-LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
 # (kv_layout, interleaved, row_pad)
 VIEWS = {"nhd": ("NHD", False, 0), "nhd-interleaved": ("NHD", True, 0),
          "hnd-interleaved": ("HND", True, 0), "nhd-padded": ("NHD", False, 8),

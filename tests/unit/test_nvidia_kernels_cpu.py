@@ -18,16 +18,16 @@ import pytest
 from cupa.gpu import dispatch
 from cupa.gpu.catalogue import DecodeMmaVariant
 
-from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
+from cases import REL_BOUND, environ, make_case
 from cuda_on_cpu import compiler_missing
-from decode_on_cpu import (check_fuzz_draws, check_options_together, check_result,
-                           check_selftest_sample, decode_on_cpu)
+from decode_on_cpu import (LENGTHS, check_fp8_case, check_fuzz_draws,
+                           check_options_together, check_result, check_selftest_sample,
+                           decode_on_cpu)
 
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
 
 TARGETS = ("sm_80", "sm_90")
-LENGTHS = (0, 1, 16, 37, 300)  # empty, one token, one whole block, a tail, several partitions
 
 
 # (form, head size, group, new tokens): the form's switches (dispatch.FORM_SWITCHES) make the
@@ -81,13 +81,7 @@ def test_tensor_core_kernels_options(rng, arch):
     ("sm_80", "fp8_e4m3", 80, 8), ("sm_90", "fp8_e4m3", 112, 32),
     ("sm_90", "fp8_e4m3fnuz", 256, 16), ("sm_80", "fp8_e4m3fnuz", 64, 4)])
 def test_tensor_core_kernels_fp8_cache(rng, arch, fmt, head_size, group):
-    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
-    (key_codes, value_codes), dequantized, (k_scale, v_scale) = quantized_case(case, fmt, rng)
-    result = decode_on_cpu(arch, case.query, key_codes, value_codes, case.block_tables,
-                           case.seq_lens, **case.options(), kv_format=fmt, k_scale=k_scale,
-                           v_scale=v_scale)
-    assert isinstance(result.plan.variant, DecodeMmaVariant)
-    check_result(result, case, FP8_REL_BOUND, reference_caches=dequantized)
+    check_fp8_case(rng, arch, fmt, head_size, group, DecodeMmaVariant)
 
 
 FUZZ_DRAWS = 16
