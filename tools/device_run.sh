@@ -16,7 +16,8 @@
 #   mkdir -p /tmp/fi .whlx && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/fi; done
 #   tar cJf .whlx/site.tar.xz -C /tmp/fi .   (and /.whlx/ in .git/info/exclude, as /.whl/)
 # The GPU tests run as eight parallel pytest shards (their time is mostly the float64 numpy
-# reference on the host's cores); the bench runs alone afterwards, so its timings see an idle GPU.
+# reference on the host's cores; CUPA_TESTS_TIMEOUT, default 480 s, limits each shard); the
+# bench runs alone afterwards, so its timings see an idle GPU.
 set -u
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 TVM_FFI_DISABLE_TORCH_C_DLPACK=1
@@ -42,8 +43,9 @@ shift || true
 if [ "$what" = tests ] || [ "$what" = all ]; then
   shards=8
   for i in $(seq 0 $((shards - 1))); do
-    CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 480 python3 -m pytest -q -p no:cacheprovider \
-      --shard "$i/$shards" "$@" tests/gpu tests/unit/test_hf_parity.py > "$OUT/gpu_tests_$i.log" 2>&1 &
+    CUPA_REQUIRE_GPU=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout ${CUPA_TESTS_TIMEOUT:-480} \
+      python3 -m pytest -q -p no:cacheprovider --shard "$i/$shards" "$@" tests/gpu \
+      tests/unit/test_hf_parity.py > "$OUT/gpu_tests_$i.log" 2>&1 &
   done
   wait
   for i in $(seq 0 $((shards - 1))); do

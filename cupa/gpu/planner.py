@@ -145,9 +145,12 @@ LONG_SPLIT_MAX_SLOT_FRACTION = 0.85
 LONG_SPLIT_WIDE_FRACTION = 0.95
 # Phase 1 is launched as a programmatic dependent of the kernel ahead (dispatch.chains_phase1:
 # a back-to-back call's workgroups become resident in the free slots while the previous call
-# drains), except where its grid is one wave that fills more than UNCHAINED_FROM_SLOTS and less
-# than UNCHAINED_TO_SLOTS of the resident slots. There the free slots hold only part of the next
-# call's grid, and back to back its calls ran 2-52% slower chained than launched plainly, the
+# drains). Where the kernel ahead of the next call allows it at its start (decode_common.cuh:
+# start_in_chain in the portable and AMD kernels and the reduce, start_phase1_in_chain in a
+# tensor-core phase 1 that merges in clusters), phase 1 is launched plainly where its grid is
+# one wave that fills more than UNCHAINED_FROM_SLOTS and less than UNCHAINED_TO_SLOTS of the
+# resident slots. There the free slots hold only part of the next call's grid, and back to
+# back its calls ran 2-52% slower chained than launched plainly, the
 # most just past half (H200, eager calls back to back, chained -> plain, docs/perf-log.md v50
 # step 2, µs): GQA 8 17 x 4096 (136 of 264 slots) 110.4 -> 73.5, 17 x 8192 217.8 -> 142.9,
 # 20 x 4096 114.7 -> 85.3, 20 x 1024 32.8 -> 26.5, 26 x 4096 119.0 -> 106.0, 30 x 4096 (240)
@@ -155,7 +158,10 @@ LONG_SPLIT_WIDE_FRACTION = 0.95
 # 132) 114.5 -> 84.7; head 64's dense form at 40 x 4096 (320 of 528) 114.3 -> 83.1. At half or
 # less the next grid fits the free slots and chaining gains (12 x 1024 18.3 -> 17.0, group 16
 # 33 x 2048 at exactly half 39.0 -> 37.6), and on nearly full grids too (32 x 2048, 256 of 264:
-# 68.0 -> 66.8).
+# 68.0 -> 66.8). A tensor-core phase 1 of one partition allows the next call only once its
+# chunks are done (allow_next_call), and chained it beats plain launches on that band too:
+# 17 x 8192 142.8 -> 140.9, 20 x 4096 85.2 -> 83.3, 25 x 1024 32.0 -> 30.3 (plain -> chained,
+# docs/perf-log.md v53 step 1).
 UNCHAINED_FROM_SLOTS = 0.5
 UNCHAINED_TO_SLOTS = 0.95
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
@@ -294,7 +300,7 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                                                         residency),
                       stagger_slots=slots, stagger_ns=step,
                       phase1_chained=phase1_chains(variant, workgroups, multiprocessors,
-                                                   residency))
+                                                   residency, max_partitions == 1))
 
 
 def busy_workgroups(heads: int, longest: int, partition_size: int, fill: float) -> int:
@@ -335,10 +341,14 @@ def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
     return 0 < workgroups <= resident_per_sm(variant, residency) * multiprocessors
 
 
-def phase1_chains(variant, workgroups: int, multiprocessors: int, residency) -> bool:
-    """Whether phase 1 may launch as a dependent of the kernel ahead: not where its grid of
-    `workgroups` is one wave between UNCHAINED_FROM_SLOTS and UNCHAINED_TO_SLOTS of the resident
-    slots (chained wherever the residency is unknown)."""
+def phase1_chains(variant, workgroups: int, multiprocessors: int, residency,
+                  single_partition: bool) -> bool:
+    """Whether phase 1 may launch as a dependent of the kernel ahead: always for a tensor-core
+    kernel's grid of one partition (it allows the next call late); otherwise not where its grid
+    of `workgroups` is one wave between UNCHAINED_FROM_SLOTS and UNCHAINED_TO_SLOTS of the
+    resident slots (chained wherever the residency is unknown)."""
+    if isinstance(variant, DecodeMmaVariant) and single_partition:
+        return True
     slots = resident_per_sm(variant, residency) * multiprocessors
     return not UNCHAINED_FROM_SLOTS * slots < workgroups < UNCHAINED_TO_SLOTS * slots
 

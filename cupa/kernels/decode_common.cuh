@@ -121,7 +121,8 @@ CUPA_FN int first_partition(int seq_len, int q_len, int sliding_window, int part
 // reduce or phase 1 does): its workgroups wait here before they read anything (start_in_chain,
 // the first call of every phase-1 entry point), so they may be resident, not working, while the
 // kernel ahead drains. Both allow their own dependents only once they have waited
-// (start_in_chain). Without the launch attribute, and on other targets, these are no-ops.
+// (start_in_chain; the tensor-core phase 1 allows the next call later still,
+// start_phase1_in_chain). Without the launch attribute, and on other targets, these are no-ops.
 CUPA_FN void wait_for_primary_grid() {
 #if !CUPA_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -140,6 +141,29 @@ CUPA_FN void allow_dependent_grid() {
 CUPA_FN void start_in_chain() {
     wait_for_primary_grid();
     allow_dependent_grid();
+}
+// Whether a reduce launch merges this call's partitions (LaunchPlan.reduce_launch on the host):
+// phase 1's dependent is then the reduce, else the next call's phase 1.
+CUPA_FN bool reduce_follows(int max_partitions, int cluster_merge) {
+    return max_partitions > 1 && cluster_merge == 0;
+}
+// A tensor-core phase-1 workgroup's chain. It waits for the kernel ahead first. Where its
+// partitions merge after the chunks (a reduce launch, or a cluster merge) it lets the dependent
+// start at once (start_phase1_in_chain): a reduce's workgroups then wait, resident, for phase
+// 1's end (allowed later, 1 x 32768's calls ran 6% slower back to back), and cluster pairs ran
+// 5.6% slower allowed later (8 x 4096). A grid of one partition lets the next call's phase 1
+// start only once its chunks are done (allow_next_call): allowed at the start, that grid was
+// dispatched while this one held all its slots and landed beside it, not where slots freed; a
+// wave just over half full ran up to 1.55x slower back to back than launched plainly (v50 step
+// 2); allowed after the chunks, grids above half their slots ran level to 7.7% faster than
+// before, those at half or less 3-4% slower on group 16 (docs/perf-log.md v53 step 1).
+CUPA_FN bool allows_next_at_start(int max_partitions) { return max_partitions > 1; }
+CUPA_FN void start_phase1_in_chain(int max_partitions) {
+    wait_for_primary_grid();
+    if (allows_next_at_start(max_partitions)) allow_dependent_grid();
+}
+CUPA_FN void allow_next_call(int max_partitions) {
+    if (!allows_next_at_start(max_partitions)) allow_dependent_grid();
 }
 
 // The slice of work of one phase-1 workgroup: grid x = (KV head, row chunk), y = partition,
@@ -174,8 +198,9 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
                              i32 num_tokens, i32 num_heads, i32 num_kv_heads, i32 block_size,
                              i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
                              i32 head_chunks, i32 cluster_merge) {
-    // Every phase-1 entry point has called start_in_chain first: launched as a programmatic
-    // dependent (sm_90), nothing here is read or written before the kernel ahead has finished.
+    // Every phase-1 entry point has waited first (start_in_chain, start_phase1_in_chain):
+    // launched as a programmatic dependent (sm_90), nothing here is read or written before the
+    // kernel ahead has finished.
     w.num_heads = num_heads;
     w.group = num_heads / num_kv_heads;
     const int chunk = blockIdx.x % head_chunks;
@@ -194,7 +219,7 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
     w.first = first_partition(w.seq_len, w.q_len, sliding_window, partition_size);
     w.parts = (w.seq_len + partition_size - 1) / partition_size - w.first;
     // Without a reduce launch, the sequence's own partitions write its output.
-    const bool merged_here = max_partitions == 1 || cluster_merge;
+    const bool merged_here = !reduce_follows(max_partitions, cluster_merge);
     w.writes_output = merged_here && w.parts == 1;
     if (w.start < w.end) return true;
     // An empty sequence: zeros, lse = sink or -inf.

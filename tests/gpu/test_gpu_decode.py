@@ -202,20 +202,32 @@ def test_reduce_launch_forms(rng, switch, chained):
 
 @pytest.mark.parametrize("chained", ["1", "0"], ids=["chained_phase1", "ordinary_phase1"])
 @pytest.mark.parametrize("partition_size, merge", [(256, "reduce"), (256, "cluster"),
-                                                   (None, "auto")],
-                         ids=["reduce", "cluster", "planned"])
-def test_back_to_back_runs_sharing_a_workspace(rng, switch, chained, partition_size, merge):
+                                                   (None, "auto"), (2048, "auto")],
+                         ids=["reduce", "cluster", "planned", "one_partition"])
+@pytest.mark.parametrize("group, row_chunks", [(8, None), (16, "never")],
+                         ids=["8_columns", "16_rows"])
+def test_back_to_back_runs_sharing_a_workspace(rng, switch, chained, partition_size, merge,
+                                               group, row_chunks):
     """Runs of one plan issued back to back, nothing between them, each on its own query into
     its own output: on sm_90 each run's phase 1 is a programmatic dependent of the previous
     run's last kernel and may be resident before that kernel ends, so it must not read or
-    write (the shared partials) before it has waited for it. Every output is checked."""
+    write (the shared partials) before it has waited for it. Both tensor-core kernels (group 8:
+    the 8-column kernel, 16: the 16-row one), each allowing what follows it at its start for
+    several partitions (reduce, cluster) and after its chunks for one partition.
+    Every output is checked."""
     import cupy
     switch("CUPA_CHAINED_PHASE1", chained)
     switch("CUPA_MERGE", merge)
+    switch("CUPA_ROW_CHUNKS", row_chunks)
     case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=4,
-                     group=8, seq_lens=(5, 700, 1500, 2048, 0, 1023))
+                     group=group, seq_lens=(5, 700, 1500, 2048, 0, 1023))
     args, options = to_gpu(case)
     plan = cupa.plan_decode(*args, **options, partition_size=partition_size)
+    variant = plan._launch_plan.variant
+    if partition_size == 2048:  # the longest sequence's length
+        assert plan._launch_plan.single_partition
+    if isinstance(variant, catalogue.DecodeMmaVariant):  # NVIDIA's tensor cores (sm_80 on)
+        assert ("mma16" in variant.partition_name) is (group == 16), variant.partition_name
     queries = [cupy.asarray(rng.standard_normal(case.query.shape).astype(case.query.dtype))
                for _ in range(6)]
     outs = [cupy.full(case.query.shape, np.nan, dtype=case.query.dtype) for _ in queries]

@@ -886,39 +886,72 @@ def test_reduce_is_chained_from_sm90(switch, arch, chained):
     assert not dispatch.chains_reduce(arch)
 
 
-@pytest.mark.parametrize("options, batch, seq_len, chained", [
-    # H200, eager calls back to back, chained -> plain (v50 step 2, µs); grid of default slots:
-    ({}, 17, 4096, False),                  # 136 of 264: 110.4 -> 73.5
-    ({}, 20, 1024, False),                  # 160: 32.8 -> 26.5
-    ({}, 30, 4096, False),                  # 240: 123.5 -> 118.2
-    (dict(kv_format="fp8_e4m3"), 20, 8192, False),   # 115.8 -> 88.5
-    (dict(heads=64, kv_heads=4), 40, 2048, False),   # group 16, 160: 61.4 -> 48.0
-    (dict(head_size=64), 40, 4096, False),  # the dense form, 320 of 528: 114.3 -> 83.1
-    ({}, 12, 1024, True),                   # 96, under half: 18.3 -> 17.0 chained
-    (dict(heads=64, kv_heads=4), 33, 2048, True),    # 132, half: 39.0 -> 37.6
-    ({}, 32, 2048, True),                   # 256, nearly full: 68.0 -> 66.8
-    ({}, 64, 4096, True),                   # two waves: level
-    ({}, 1, 4096, True),                    # one cluster of 16: 12.5 -> 11.2
+@pytest.mark.parametrize("options, batch, seq_len", [
+    # H200, eager calls back to back. The band's grids, launched plainly by v50 step 2
+    # (chained, the next call allowed at phase 1's start -> plain, µs); since v53 a tensor-core
+    # phase 1 of one partition allows the next call once its chunks are done, and chained they
+    # beat plain (v53 step 1: plain -> chained):
+    ({}, 17, 4096),                         # 136 of 264 slots: 110.4 -> 73.5; 75.4 -> 74.0
+    ({}, 17, 8192),                         # 217.8 -> 142.9; 142.8 -> 140.9
+    ({}, 20, 1024),                         # 160: 32.8 -> 26.5; 27.0 -> 25.6
+    ({}, 25, 1024),                         # 200: 34.0 -> 31.7; 32.0 -> 30.3
+    ({}, 30, 4096),                         # 240: 123.5 -> 118.2; 124.0 -> 120.3
+    (dict(kv_format="fp8_e4m3"), 20, 8192),  # 115.8 -> 88.5; 89.1 -> 86.6
+    (dict(heads=64, kv_heads=4), 40, 2048),  # group 16, 160: 61.4 -> 48.0; 48.4 -> 46.6
+    (dict(head_size=64), 40, 4096),         # dense form, 320 of 528: 114.3 -> 83.1; 84.3 -> 82.0
+    # Grids outside the band, chained before v53 too:
+    ({}, 12, 1024),                         # 96, under half: 18.3 -> 17.0 chained; v53 mixed
+    ({}, 32, 2048),                         # 256, nearly full: 68.0 -> 66.8
+    ({}, 64, 4096),                         # two waves
 ])
-def test_phase1_is_chained_except_on_a_wave_just_over_half_full(options, batch, seq_len,
-                                                                chained):
-    problem = shape(batch, seq_len, **options)
-    plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
+def test_phase1_of_one_partition_is_chained_on_every_grid(options, batch, seq_len):
+    plan = make_plan(shape(batch, seq_len, **options), H200_SMS, arch="sm_90",
+                     max_seq_len=seq_len, residency=h200_residency)
+    assert isinstance(plan.variant, catalogue.DecodeMmaVariant) and plan.single_partition
+    assert plan.phase1_chained
+
+
+@pytest.mark.parametrize("batch, seq_len, workgroups, merge, chained", [
+    # Phase 1 allows what follows it at its start where its partitions merge after the chunks;
+    # the next call is allowed at the start of the reduce, or of a cluster-merging phase 1.
+    (5, 8192, 240, "reduce", False),   # 6 partitions a sequence, 240 of 264 slots
+    (7, 8192, 224, "reduce", False),
+    (1, 32768, 128, "reduce", True),   # under half
+    (10, 2048, 160, "cluster", False),  # cluster pairs: 34.2 -> 28.4 plain (v50 step 2)
+    (8, 4096, 128, "cluster", True),    # under half
+    (1, 4096, 128, "cluster", True),    # one cluster of 16 a KV head: 12.5 -> 11.2 chained
+])
+def test_phase1_of_partitions_is_plain_on_a_wave_just_over_half_full(batch, seq_len, workgroups,
+                                                                     merge, chained):
+    plan = make_plan(shape(batch, seq_len), H200_SMS, arch="sm_90", max_seq_len=seq_len,
                      residency=h200_residency)
+    assert plan.max_partitions > 1 and plan.cluster_merge is (merge == "cluster")
+    assert 8 * batch * plan.max_partitions == workgroups
     assert plan.phase1_chained is chained
-    # Without a residency (no GPU), chained as before.
-    assert make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len).phase1_chained
+    # Without a residency (no GPU), chained.
+    assert make_plan(shape(batch, seq_len), H200_SMS, arch="sm_90",
+                     max_seq_len=seq_len).phase1_chained
 
 
-def test_phase1_chaining_counts_the_slots_of_the_form_that_runs():
-    # Head 256 holds one workgroup a multiprocessor: its 80 at 20 x 4096 are past half of its
-    # 132 slots (114.5 -> 84.7 us plain), and would be under half of two a multiprocessor's.
-    plan = make_plan(shape(20, 4096, heads=32, kv_heads=4, head_size=256), H200_SMS,
-                     arch="sm_90", max_seq_len=4096, residency=lambda v: 1)
-    assert plan.max_partitions == 1 and not plan.phase1_chained
-    assert not planner.phase1_chains(plan.variant, 80, H200_SMS, lambda v: 1)
-    assert planner.phase1_chains(plan.variant, 80, H200_SMS, lambda v: 2)
-    assert planner.phase1_chains(plan.variant, 80, H200_SMS, None)  # unknown: chained
+@pytest.mark.parametrize("workgroups, in_band", [(80, False), (132, False), (133, True),
+                                                 (250, True), (251, False), (300, False)])
+def test_phase1_chaining_band_counts_the_slots_of_the_form_that_runs(workgroups, in_band):
+    """The band (UNCHAINED_FROM_SLOTS to UNCHAINED_TO_SLOTS of the resident slots) applies
+    where the next call is allowed at the start of the kernel ahead of it: the reduce, a
+    tensor-core phase 1 of several partitions, the portable kernel."""
+    mma = make_plan(shape(20, 4096), H200_SMS, arch="sm_90", max_seq_len=4096).variant
+    portable = make_plan(shape(20, 4096, head_size=32), H200_SMS, arch="sm_90",
+                         max_seq_len=4096).variant
+    assert isinstance(mma, catalogue.DecodeMmaVariant)
+    assert not isinstance(portable, catalogue.DecodeMmaVariant)
+    two_a_sm = lambda v: 2  # noqa: E731
+    # (variant, workgroups, multiprocessors, residency, single_partition)
+    assert planner.phase1_chains(mma, workgroups, H200_SMS, two_a_sm, False) is not in_band
+    assert planner.phase1_chains(portable, workgroups, H200_SMS, two_a_sm, True) is not in_band
+    assert planner.phase1_chains(mma, workgroups, H200_SMS, two_a_sm, True)
+    # One workgroup a multiprocessor: 80 of its 132 slots is past half.
+    assert planner.phase1_chains(mma, 80, H200_SMS, lambda v: 1, False) is False
+    assert planner.phase1_chains(mma, workgroups, H200_SMS, None, False)  # unknown: chained
 
 
 @pytest.mark.parametrize("plan_chained, arch, extended, cluster, form", [

@@ -253,12 +253,15 @@ struct KvStream {
         const int u = threadIdx.x % R::UNITS;
         const int r0 = threadIdx.x / R::UNITS;
         // Chunks start multiples of 32 tokens apart, so phase f's rows all sit at row
-        // (start_ + r0 + f * ROWS_PER_PASS) mod block_size of their blocks.
+        // (start_ + r0 + f * ROWS_PER_PASS) mod block_size of their blocks. A row's byte offset
+        // in its block is below 2^30 (rows < 32, token strides < 2^24 elements of at most 2
+        // bytes): one 32-bit multiply a phase on the prologue's path (docs/perf-log.md v53).
+        const i64 head_unit = rows.head_offset * (i64)sizeof(C) + 16 * u;
+        const u32 row_bytes = rows.token_stride * (u32)sizeof(C);
 #pragma unroll
         for (int f = 0; f < R::PHASES; ++f) {
-            const int row = (start_ + r0 + f * R::ROWS_PER_PASS) & ((1 << rows.shift) - 1);
-            const i64 unit = (rows.head_offset + (i64)row * rows.token_stride) * (i64)sizeof(C)
-                             + 16 * u;
+            const u32 row = (u32)(start_ + r0 + f * R::ROWS_PER_PASS) & ((1u << rows.shift) - 1u);
+            const i64 unit = head_unit + (i64)(row * row_bytes);
             k_src[f] = pinned(reinterpret_cast<const unsigned char*>(k) + unit);
             v_src[f] = pinned(reinterpret_cast<const unsigned char*>(v) + unit);
         }
