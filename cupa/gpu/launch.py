@@ -87,7 +87,8 @@ def partition_launch(plan: LaunchPlan, shape: DecodeShape, multiprocessors: int)
                i32(plan.partition_size), i32(plan.max_partitions), i32(plan.head_chunks),
                i32(plan.cluster_merge), i32(plan.all_ids_early),
                i32(multiprocessors), i32(plan.stagger_slots), i32(plan.stagger_ns),
-               i64(block_stride), i64(head_stride), i32(token_stride))
+               i32(plan.next_call_at_start), i64(block_stride), i64(head_stride),
+               i32(token_stride))
     return grid, (plan.variant.threads, 1, 1), scalars
 
 

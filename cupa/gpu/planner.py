@@ -143,25 +143,24 @@ LONG_SPLIT_MIN_SM = 90
 LONG_SPLIT_MIN_SM_FRACTION = 0.7
 LONG_SPLIT_MAX_SLOT_FRACTION = 0.85
 LONG_SPLIT_WIDE_FRACTION = 0.95
-# Phase 1 is launched as a programmatic dependent of the kernel ahead (dispatch.chains_phase1:
-# a back-to-back call's workgroups become resident in the free slots while the previous call
+# Phase 1 is launched as a programmatic dependent of the kernel ahead (dispatch.chains_phase1: a
+# back-to-back call's workgroups become resident in the free slots while the previous call
 # drains). Where the kernel ahead of the next call allows it at its start (decode_common.cuh:
 # start_in_chain in the portable and AMD kernels and the reduce, start_phase1_in_chain in a
-# tensor-core phase 1 that merges in clusters), phase 1 is launched plainly where its grid is
-# one wave that fills more than UNCHAINED_FROM_SLOTS and less than UNCHAINED_TO_SLOTS of the
-# resident slots. There the free slots hold only part of the next call's grid, and back to
-# back its calls ran 2-52% slower chained than launched plainly, the
-# most just past half (H200, eager calls back to back, chained -> plain, docs/perf-log.md v50
-# step 2, µs): GQA 8 17 x 4096 (136 of 264 slots) 110.4 -> 73.5, 17 x 8192 217.8 -> 142.9,
-# 20 x 4096 114.7 -> 85.3, 20 x 1024 32.8 -> 26.5, 26 x 4096 119.0 -> 106.0, 30 x 4096 (240)
-# 123.5 -> 118.2; bf16, fp8, head 96, MHA and group 16 alike; head 256 at 20 x 4096 (80 of its
-# 132) 114.5 -> 84.7; head 64's dense form at 40 x 4096 (320 of 528) 114.3 -> 83.1. At half or
-# less the next grid fits the free slots and chaining gains (12 x 1024 18.3 -> 17.0, group 16
-# 33 x 2048 at exactly half 39.0 -> 37.6), and on nearly full grids too (32 x 2048, 256 of 264:
-# 68.0 -> 66.8). A tensor-core phase 1 of one partition allows the next call only once its
-# chunks are done (allow_next_call), and chained it beats plain launches on that band too:
-# 17 x 8192 142.8 -> 140.9, 20 x 4096 85.2 -> 83.3, 25 x 1024 32.0 -> 30.3 (plain -> chained,
-# docs/perf-log.md v53 step 1).
+# tensor-core phase 1 with next_call_at_start), phase 1 is launched plainly where its grid is one
+# wave that fills more than UNCHAINED_FROM_SLOTS and less than UNCHAINED_TO_SLOTS of the resident
+# slots. There the free slots hold only part of the next call's grid, and back to back its calls
+# ran 2-52% slower chained than launched plainly, the most just past half (H200, eager calls back
+# to back, chained -> plain, docs/perf-log.md v50 step 2, µs): GQA 8 17 x 4096 (136 of 264 slots)
+# 110.4 -> 73.5, 17 x 8192 217.8 -> 142.9, 20 x 4096 114.7 -> 85.3, 20 x 1024 32.8 -> 26.5,
+# 26 x 4096 119.0 -> 106.0, 30 x 4096 (240) 123.5 -> 118.2; bf16, fp8, head 96, MHA and group 16
+# alike; head 256 at 20 x 4096 (80 of its 132) 114.5 -> 84.7; head 64's dense form at 40 x 4096
+# (320 of 528) 114.3 -> 83.1. At half or less the next grid fits the free slots and chaining gains
+# (12 x 1024 18.3 -> 17.0, group 16 33 x 2048 at exactly half 39.0 -> 37.6), and on nearly full
+# grids too (32 x 2048, 256 of 264: 68.0 -> 66.8). A tensor-core phase 1 of one partition past
+# half its slots allows the next call only once its chunks are done (allow_next_call), and chained
+# it beats plain launches on that band too: 17 x 8192 142.8 -> 140.9, 20 x 4096 85.2 -> 83.3,
+# 25 x 1024 32.0 -> 30.3 (plain -> chained, docs/perf-log.md v53 step 1).
 UNCHAINED_FROM_SLOTS = 0.5
 UNCHAINED_TO_SLOTS = 0.95
 # Batches at least this full plan as uniform ones, the steps measured on uniform batches (wave
@@ -190,6 +189,9 @@ class LaunchPlan:
     # Phase 1 may launch as a programmatic dependent of the kernel ahead, where the target
     # chains at all (dispatch.chains_phase1; phase1_chains).
     phase1_chained: bool = True
+    # A tensor-core phase 1 lets what follows it start at its own start, not after its chunks
+    # (next_call_at_start; the kernel's start_phase1_in_chain).
+    next_call_at_start: bool = True
 
     @property
     def single_partition(self) -> bool:
@@ -293,6 +295,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                                          planned=MAX_CLUSTER if small else dispatch.PLANNED_CLUSTER)
     slots, step = first_wave_stagger(variant, arch, workgroups, multiprocessors, residency, fill,
                                      cluster, max_partitions == -(-longest // partition_size))
+    at_start = next_call_at_start(variant, workgroups, multiprocessors, residency,
+                                  max_partitions == 1)
     return LaunchPlan(variant=variant, head_chunks=head_chunks, partition_size=partition_size,
                       max_partitions=max_partitions, max_query_len=max_query_len,
                       cluster_merge=cluster,
@@ -300,7 +304,8 @@ def make_plan(shape: DecodeShape, multiprocessors: int, *, arch: str = "",
                                                         residency),
                       stagger_slots=slots, stagger_ns=step,
                       phase1_chained=phase1_chains(variant, workgroups, multiprocessors,
-                                                   residency, max_partitions == 1))
+                                                   residency, at_start),
+                      next_call_at_start=at_start)
 
 
 def busy_workgroups(heads: int, longest: int, partition_size: int, fill: float) -> int:
@@ -341,13 +346,24 @@ def one_wave(variant, workgroups: int, multiprocessors: int, residency) -> bool:
     return 0 < workgroups <= resident_per_sm(variant, residency) * multiprocessors
 
 
+def next_call_at_start(variant, workgroups: int, multiprocessors: int, residency,
+                       single_partition: bool) -> bool:
+    """Whether phase 1 lets what follows it start at its own start: all but a tensor-core grid
+    of one partition filling more than UNCHAINED_FROM_SLOTS of its resident slots, which lets
+    the next call in once its chunks are done (at the start wherever the residency is
+    unknown)."""
+    slots = resident_per_sm(variant, residency) * multiprocessors
+    return (not isinstance(variant, DecodeMmaVariant) or not single_partition or not slots
+            or workgroups <= UNCHAINED_FROM_SLOTS * slots)
+
+
 def phase1_chains(variant, workgroups: int, multiprocessors: int, residency,
-                  single_partition: bool) -> bool:
-    """Whether phase 1 may launch as a dependent of the kernel ahead: always for a tensor-core
-    kernel's grid of one partition (it allows the next call late); otherwise not where its grid
+                  next_at_start: bool) -> bool:
+    """Whether phase 1 may launch as a dependent of the kernel ahead: always where the kernel
+    ahead of the next call lets it in late (not `next_at_start`); otherwise not where its grid
     of `workgroups` is one wave between UNCHAINED_FROM_SLOTS and UNCHAINED_TO_SLOTS of the
     resident slots (chained wherever the residency is unknown)."""
-    if isinstance(variant, DecodeMmaVariant) and single_partition:
+    if not next_at_start:
         return True
     slots = resident_per_sm(variant, residency) * multiprocessors
     return not UNCHAINED_FROM_SLOTS * slots < workgroups < UNCHAINED_TO_SLOTS * slots

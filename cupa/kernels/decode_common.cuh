@@ -15,8 +15,9 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // The argument list every phase-1 kernel takes, in the order cupa/gpu/launch.py passes it. A
 // macro, so the kernels and their extern "C" wrappers cannot drift apart. T is the query/output
 // storage type, C the cache's (T itself, or cupa_fp8 codes whose per-KV-head scales come in
-// kv_scales). The stagger_* arguments serve the tensor-core kernels only (stagger_first_wave);
-// kv_*_stride are the caches' element strides (the host's bounds: problem.py, KV_STRIDE_*).
+// kv_scales). The stagger_* arguments serve the tensor-core kernels only (stagger_first_wave),
+// and so does next_at_start (start_phase1_in_chain); kv_*_stride are the caches' element
+// strides (the host's bounds: problem.py, KV_STRIDE_*).
 #define CUPA_PARTITION_PARAMS(T, C)                                                              \
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,                 \
         float* __restrict__ part_max, float* __restrict__ part_sum, const T* __restrict__ query, \
@@ -27,14 +28,15 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
         float soft_cap, i32 sliding_window, i32 num_tokens, i32 num_heads, i32 num_kv_heads,     \
         i32 block_size, i32 max_blocks_per_seq, i32 num_blocks, i32 partition_size,              \
         i32 max_partitions, i32 head_chunks, i32 cluster_merge, i32 all_ids_early,             \
-        i32 stagger_sms, i32 stagger_slots, i32 stagger_ns, i64 kv_block_stride,                 \
-        i64 kv_head_stride, i32 kv_token_stride
+        i32 stagger_sms, i32 stagger_slots, i32 stagger_ns, i32 next_at_start,                   \
+        i64 kv_block_stride, i64 kv_head_stride, i32 kv_token_stride
 #define CUPA_PARTITION_ARGS                                                                      \
     out, lse, part_acc, part_max, part_sum, query, key_cache, value_cache, kv_scales,            \
         block_tables, seq_lens, query_start_loc, alibi_slopes, sinks, scale, soft_cap,           \
         sliding_window, num_tokens, num_heads, num_kv_heads, block_size, max_blocks_per_seq,     \
         num_blocks, partition_size, max_partitions, head_chunks, cluster_merge, all_ids_early,   \
-        stagger_sms, stagger_slots, stagger_ns, kv_block_stride, kv_head_stride, kv_token_stride
+        stagger_sms, stagger_slots, stagger_ns, next_at_start, kv_block_stride, kv_head_stride,  \
+        kv_token_stride
 
 // Most new tokens per sequence in one call (multi-token decode for speculative decoding).
 constexpr int MAX_QUERY_LEN = 16;
@@ -147,23 +149,20 @@ CUPA_FN void start_in_chain() {
 CUPA_FN bool reduce_follows(int max_partitions, int cluster_merge) {
     return max_partitions > 1 && cluster_merge == 0;
 }
-// A tensor-core phase-1 workgroup's chain. It waits for the kernel ahead first. Where its
-// partitions merge after the chunks (a reduce launch, or a cluster merge) it lets the dependent
-// start at once (start_phase1_in_chain): a reduce's workgroups then wait, resident, for phase
-// 1's end (allowed later, 1 x 32768's calls ran 6% slower back to back), and cluster pairs ran
-// 5.6% slower allowed later (8 x 4096). A grid of one partition lets the next call's phase 1
-// start only once its chunks are done (allow_next_call): allowed at the start, that grid was
-// dispatched while this one held all its slots and landed beside it, not where slots freed; a
-// wave just over half full ran up to 1.55x slower back to back than launched plainly (v50 step
-// 2); allowed after the chunks, grids above half their slots ran level to 7.7% faster than
-// before, those at half or less 3-4% slower on group 16 (docs/perf-log.md v53 step 1).
-CUPA_FN bool allows_next_at_start(int max_partitions) { return max_partitions > 1; }
-CUPA_FN void start_phase1_in_chain(int max_partitions) {
+// A tensor-core phase-1 workgroup's chain. It waits for the kernel ahead first, then lets what
+// follows it start either at once (start_phase1_in_chain) or once its chunks are done
+// (allow_next_call), as the host's plan says (next_at_start: LaunchPlan.next_call_at_start).
+// At once: a reduce's workgroups wait, resident, for phase 1's end, and a next grid that fits
+// the free slots starts without a launch gap. After the chunks, for a grid of one partition
+// filling more than half its slots: allowed at the start, the next grid was dispatched while
+// this one held all its slots and landed beside it, not where slots freed (docs/perf-log.md
+// v50 step 2, v53 step 1).
+CUPA_FN void start_phase1_in_chain(int next_at_start) {
     wait_for_primary_grid();
-    if (allows_next_at_start(max_partitions)) allow_dependent_grid();
+    if (next_at_start) allow_dependent_grid();
 }
-CUPA_FN void allow_next_call(int max_partitions) {
-    if (!allows_next_at_start(max_partitions)) allow_dependent_grid();
+CUPA_FN void allow_next_call(int next_at_start) {
+    if (!next_at_start) allow_dependent_grid();
 }
 
 // The slice of work of one phase-1 workgroup: grid x = (KV head, row chunk), y = partition,

@@ -26,7 +26,7 @@
 #define CUPA_DECODE_MMA_VARIANT(NAME, KERNEL, T, C, D)                                           \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS, CUPA_MMA_MIN_BLOCKS)             \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
-        cupa::start_phase1_in_chain(max_partitions); /* see decode_common.cuh */               \
+        cupa::start_phase1_in_chain(next_at_start); /* see decode_common.cuh */                \
         cupa::KERNEL<T, C, D>(CUPA_PARTITION_ARGS);                                              \
     }
 
@@ -38,6 +38,6 @@
 #define CUPA_DECODE_MMA_DENSE_VARIANT(NAME, T, C, D, STAGES, WORKGROUPS)                          \
     extern "C" __global__ void __launch_bounds__(CUPA_THREADS, WORKGROUPS)                      \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
-        cupa::start_phase1_in_chain(max_partitions);                                             \
+        cupa::start_phase1_in_chain(next_at_start);                                              \
         cupa::decode_partition_mma8<T, C, D, STAGES>(CUPA_PARTITION_ARGS);                       \
     }

@@ -212,20 +212,24 @@ def test_back_to_back_runs_sharing_a_workspace(rng, switch, chained, partition_s
     its own output: on sm_90 each run's phase 1 is a programmatic dependent of the previous
     run's last kernel and may be resident before that kernel ends, so it must not read or
     write (the shared partials) before it has waited for it. Both tensor-core kernels (group 8:
-    the 8-column kernel, 16: the 16-row one), each allowing what follows it at its start for
-    several partitions (reduce, cluster) and after its chunks for one partition.
+    the 8-column kernel, 16: the 16-row one), each allowing what follows it at its start or,
+    for a grid of one partition past half its slots (72 sequences here), after its chunks.
     Every output is checked."""
     import cupy
     switch("CUPA_CHAINED_PHASE1", chained)
     switch("CUPA_MERGE", merge)
     switch("CUPA_ROW_CHUNKS", row_chunks)
+    one_partition = partition_size == 2048  # the longest sequence's length
     case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=4,
-                     group=group, seq_lens=(5, 700, 1500, 2048, 0, 1023))
+                     group=group, seq_lens=(5, 700, 1500, 2048, 0, 1023) * (12 if one_partition
+                                                                              else 1))
     args, options = to_gpu(case)
     plan = cupa.plan_decode(*args, **options, partition_size=partition_size)
     variant = plan._launch_plan.variant
-    if partition_size == 2048:  # the longest sequence's length
+    if one_partition:
         assert plan._launch_plan.single_partition
+        if isinstance(variant, catalogue.DecodeMmaVariant):  # 288 workgroups: past half the
+            assert not plan._launch_plan.next_call_at_start  # slots at up to 4 a multiprocessor
     if isinstance(variant, catalogue.DecodeMmaVariant):  # NVIDIA's tensor cores (sm_80 on)
         assert ("mma16" in variant.partition_name) is (group == 16), variant.partition_name
     queries = [cupy.asarray(rng.standard_normal(case.query.shape).astype(case.query.dtype))

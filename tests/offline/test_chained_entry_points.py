@@ -4,8 +4,8 @@ decode_common.cuh; docs/perf-log.md v25 step 5, v26 step 5). Checked in the PTX 
 sm_90, the order in which the kernels' source issues them, since a phase 1 that read a previous
 call's output before its wait, or let the next call in before its own, would race. The
 tensor-core phase 1 allows its dependents at one of two places (start_phase1_in_chain,
-allow_next_call: at its start for a grid of several partitions, after its chunks for one of
-one partition; docs/perf-log.md v53 step 1).
+allow_next_call: at its start, or after its chunks where the plan's next_at_start says so;
+docs/perf-log.md v53 step 1).
 
 The same PTX shows the tensor-core kernels' early block ids (early_ids in mma/ring.cuh,
 docs/perf-log.md v28 step 6): their first copies from the block table are issued before the

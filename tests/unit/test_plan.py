@@ -945,13 +945,41 @@ def test_phase1_chaining_band_counts_the_slots_of_the_form_that_runs(workgroups,
     assert isinstance(mma, catalogue.DecodeMmaVariant)
     assert not isinstance(portable, catalogue.DecodeMmaVariant)
     two_a_sm = lambda v: 2  # noqa: E731
-    # (variant, workgroups, multiprocessors, residency, single_partition)
-    assert planner.phase1_chains(mma, workgroups, H200_SMS, two_a_sm, False) is not in_band
+    # (variant, workgroups, multiprocessors, residency, next_at_start)
+    assert planner.phase1_chains(mma, workgroups, H200_SMS, two_a_sm, True) is not in_band
     assert planner.phase1_chains(portable, workgroups, H200_SMS, two_a_sm, True) is not in_band
-    assert planner.phase1_chains(mma, workgroups, H200_SMS, two_a_sm, True)
+    assert planner.phase1_chains(mma, workgroups, H200_SMS, two_a_sm, False)
     # One workgroup a multiprocessor: 80 of its 132 slots is past half.
-    assert planner.phase1_chains(mma, 80, H200_SMS, lambda v: 1, False) is False
-    assert planner.phase1_chains(mma, workgroups, H200_SMS, None, False)  # unknown: chained
+    assert planner.phase1_chains(mma, 80, H200_SMS, lambda v: 1, True) is False
+    assert planner.phase1_chains(mma, workgroups, H200_SMS, None, True)  # unknown: chained
+
+
+@pytest.mark.parametrize("options, batch, seq_len, at_start", [
+    # A tensor-core grid of one partition lets the next call in after its chunks where it fills
+    # more than half its slots, at its start where the whole next grid fits the free slots
+    # (v53 step 1, eager µs, allowed at the start -> after the chunks):
+    (dict(heads=64, kv_heads=4), 32, 2048, True),    # 128 of 264: 37.6 -> 38.7
+    (dict(heads=64, kv_heads=4), 33, 2048, True),    # 132: 38.2 -> 39.8
+    (dict(heads=64, kv_heads=4), 40, 2048, False),   # 160: 47.9 -> 46.6
+    ({}, 20, 1024, False),                           # 160: 27.1 -> 25.6
+    ({}, 128, 1024, False),                          # 4 waves: 130.4 -> 129.0
+    # Several partitions: at the start (8 x 4096's cluster pairs 37.7 -> 39.8 after the chunks).
+    ({}, 8, 4096, True),
+    ({}, 1, 32768, True),                            # the reduce: 39.1 -> 41.5 (probe)
+])
+def test_phase1_lets_the_next_call_in_late_only_past_half_its_slots(options, batch, seq_len,
+                                                                    at_start):
+    problem = shape(batch, seq_len, **options)
+    plan = make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len,
+                     residency=h200_residency)
+    assert plan.next_call_at_start is at_start
+    assert plan.phase1_chained or at_start
+    # Without a residency (no GPU): at the start, as before v53.
+    assert make_plan(problem, H200_SMS, arch="sm_90", max_seq_len=seq_len).next_call_at_start
+    # The portable kernel allows at its start whatever its grid (start_in_chain).
+    portable = make_plan(shape(40, 2048, head_size=32), H200_SMS, arch="sm_90",
+                         max_seq_len=2048).variant
+    assert planner.next_call_at_start(portable, 160, H200_SMS, lambda v: 2, True)
 
 
 @pytest.mark.parametrize("plan_chained, arch, extended, cluster, form", [

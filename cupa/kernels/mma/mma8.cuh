@@ -211,7 +211,7 @@ CUPA_FN void decode_partition_mma8(
         }
     }
     CUPA_PHASE_STAMP(PHASE_CHUNKS_DONE);
-    allow_next_call(max_partitions);
+    allow_next_call(next_at_start);
     kv.end_copies();
     CUPA_PHASE_STAMP(PHASE_COPIES_ENDED);
 
