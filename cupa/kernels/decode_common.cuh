@@ -144,11 +144,6 @@ CUPA_FN void start_in_chain() {
     wait_for_primary_grid();
     allow_dependent_grid();
 }
-// Whether a reduce launch merges this call's partitions (LaunchPlan.reduce_launch on the host):
-// phase 1's dependent is then the reduce, else the next call's phase 1.
-CUPA_FN bool reduce_follows(int max_partitions, int cluster_merge) {
-    return max_partitions > 1 && cluster_merge == 0;
-}
 // A tensor-core phase-1 workgroup's chain. It waits for the kernel ahead first, then lets what
 // follows it start either at once (start_phase1_in_chain) or once its chunks are done
 // (allow_next_call), as the host's plan says (next_at_start: LaunchPlan.next_call_at_start).
@@ -218,7 +213,7 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
     w.first = first_partition(w.seq_len, w.q_len, sliding_window, partition_size);
     w.parts = (w.seq_len + partition_size - 1) / partition_size - w.first;
     // Without a reduce launch, the sequence's own partitions write its output.
-    const bool merged_here = !reduce_follows(max_partitions, cluster_merge);
+    const bool merged_here = max_partitions == 1 || cluster_merge;
     w.writes_output = merged_here && w.parts == 1;
     if (w.start < w.end) return true;
     // An empty sequence: zeros, lse = sink or -inf.
