@@ -22,9 +22,10 @@ the path a wavefront takes in the steady state of a long context:
   - an inner loop counts as its body's path times its trip count. Trip counts come from the
     kernel's compile-time constants, not from the assembly (portable_trip_counts below; the
     source of each is named there). Inner loops that are fully unrolled are not loops in the
-    assembly and need none. The matrix kernel's loop keeps at most its S^T chunk loop
-    (`#pragma unroll 2`: head_size / 32 iterations, matrix_trip_counts); the tool fails on an
-    inner loop it has no trip count for rather than guess.
+    assembly and need none. The matrix kernel's loop keeps at most its S^T chunk loop, where
+    its loads do not go ahead (`#pragma unroll 2`: head_size / 32 iterations,
+    matrix_trip_counts); the tool fails on an inner loop it has no trip count for rather than
+    guess.
   - counts are per wavefront: one instruction issued by one wavefront is 1, whatever its
     width. A pass of the portable loop is run by all CUPA_THREADS / warp wavefronts of the
     workgroup on one 128-token tile, so one wavefront's pass stands for warp tokens (64 on
@@ -42,6 +43,11 @@ scratch (spills), smem (s_load), salu, waitcnt, branch, barrier, nop (s_nop, s_d
 s_clause: wait states and hints, no work). lds_bytes and vmem_load_bytes are the bytes the
 lanes of those instructions move (width x wavefront size), vmcnt_waits the s_waitcnt that wait
 for vector memory, valu_cvt the conversions (v_cvt_*) among valu.
+
+Round trips (round_trips): the counted path's instructions in issue order, run as a steady
+state in which a load takes one round trip and only the waits take time; the memory round
+trips one pass waits through, its dependent chain. Loads issued together count once, a load
+asked for a pass ahead nothing. The model's latency check divides the pass's bytes by it.
 
 Usage:
     python3 tools/amd_isa_counts.py                     # the default variants, gfx942 gfx1100
@@ -92,6 +98,9 @@ HINTS = ("s_nop", "s_delay_alu", "s_wait_alu", "s_clause", "s_setprio", "s_sleep
 # The soft cap's tanh divides (fast_div is a plain division on HIP); nothing else in the loops
 # does, so a block holding the division is on the soft-cap path.
 SOFT_CAP_MARK = "v_div_scale_f32"
+# The lazy max's rescale (decode_matrix.cu) starts with the row-max shuffles across lanes; no
+# other uniform branch of the loops holds a cross-lane permute.
+LAZY_RESCALE_MARKS = ("ds_bpermute", "ds_swizzle", "v_permlane")
 # What ends a __syncthreads: s_barrier, or its second half on gfx12 (signal, then wait).
 BARRIER_WAITS = ("s_barrier", "s_barrier_wait")
 
@@ -176,6 +185,9 @@ class Block:
 
     def on_soft_cap_path(self) -> bool:
         return any(m == SOFT_CAP_MARK for m, _ in self.instructions)
+
+    def starts_lazy_rescale(self) -> bool:
+        return any(m.startswith(LAZY_RESCALE_MARKS) for m, _ in self.instructions)
 
 
 _LABEL = re.compile(r"^\.L(BB\d+_\d+):(.*)$")
@@ -389,26 +401,32 @@ def iteration(nest: LoopNest, header: str, trips: dict, wave: int,
         rest = pdom[node] - {node}
         return next((p for p in rest if pdom[p] == rest), None)
 
-    def leads_to_soft_cap(start: str, stop) -> bool:
-        """Whether the code from `start` up to the join `stop` holds the soft cap's division."""
+    def side_holds(start: str, stop, found) -> bool:
+        """Whether the code from `start` up to the join `stop` holds a node `found` accepts."""
         seen, todo = set(), [start]
         while todo:
             node = todo.pop()
             if node in seen or node in ("END", stop):
                 continue
             seen.add(node)
-            if weights[node] is None:
+            if found(node):
                 return True
             todo += succ[node]
         return False
 
+    def soft_cap(node: str) -> bool:
+        return weights[node] is None
+
+    def lazy_rescale(node: str) -> bool:
+        return not is_child(node) and nest.blocks[node].starts_lazy_rescale()
+
     best = {"END": (Counter(), ())}
     for node in order:  # ends first, so every successor is done
         options = succ[node]
-        if len(options) > 1:  # a uniform branch: keep off the side holding the soft cap
+        if len(options) > 1:  # a uniform branch: off the soft cap's side, then the lazy max's
             stop = join(node)
-            plain = [s for s in options if not leads_to_soft_cap(s, stop)]
-            options = plain or options
+            for off in (soft_cap, lazy_rescale):
+                options = [s for s in options if not side_holds(s, stop, off)] or options
         options = [best[s] for s in options if best.get(s) is not None]
         if weights[node] is None or not options:
             best[node] = None
@@ -421,6 +439,58 @@ def iteration(nest: LoopNest, header: str, trips: dict, wave: int,
     if path is not None:
         path += [(node, trips.get(node, 1) * share.get(node, 1)) for node in nodes]
     return counts
+
+
+def path_instructions(nest: LoopNest, header: str, trips: dict, wave: int) -> list:
+    """The instructions of one iteration of loop `header` on the counted path, in issue order:
+    an inner loop's own path repeated its trip count (rounded; at least once)."""
+    nodes = []
+    iteration(nest, header, trips, wave, nodes)
+    out = []
+    for node, _ in nodes:
+        if node in nest.parent and node != header:
+            out += path_instructions(nest, node, trips, wave) * max(1, round(trips[node]))
+        else:
+            out += nest.blocks[node].instructions
+    return out
+
+
+_VMCNT = re.compile(r"vmcnt\((\d+)\)")
+
+
+def vmem_wait_limit(mnemonic: str, operands: str) -> int | None:
+    """The loads a wait leaves outstanding, or None where it does not wait for loads. gfx9 to
+    gfx11: s_waitcnt vmcnt(N); gfx12: s_wait_loadcnt N, or s_wait_loadcnt_dscnt with the load
+    count in bits 13:8 (the DS count below)."""
+    if mnemonic == "s_waitcnt":
+        m = _VMCNT.search(operands)
+        return int(m.group(1)) if m else None
+    if mnemonic == "s_wait_loadcnt":
+        return int(operands.split()[0], 0)
+    if mnemonic == "s_wait_loadcnt_dscnt":
+        return (int(operands.split()[0], 0) >> 8) & 0x3f
+    return None
+
+
+def round_trips(instructions: list, passes: int = 4) -> float:
+    """Memory round trips one pass waits through, in the steady state: the loop's path run
+    `passes` times, each load ready one round trip after its issue, each wait holding the
+    wavefront until the loads it retires (oldest first: the counters count in order) are
+    ready, and nothing else taking time. The last pass's growth of that clock is the count:
+    18 serial waits are 18; loads issued together and waited for once are 1; a load issued a
+    pass ahead (a prefetch) and waited for in the next costs nothing there. It counts the
+    dependent chain, which bounds a wavefront's rate when memory latency dominates."""
+    queue, now, ends = [], 0.0, []
+    for _ in range(passes):
+        for mnemonic, operands in instructions:
+            if instruction_class(mnemonic) in ("vmem_load", "scratch") and "load" in mnemonic:
+                queue.append(now + 1.0)
+                continue
+            limit = vmem_wait_limit(mnemonic, operands)
+            while limit is not None and len(queue) > limit:
+                now = max(now, queue.pop(0))
+        ends.append(now)
+    return ends[-1] - ends[-2]
 
 
 # --- what the kernels' source says about their loops -------------------------------------------
@@ -489,9 +559,10 @@ def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tup
 
 
 def matrix_trip_counts(nest: LoopNest, header: str, variant) -> dict:
-    """Trip counts of the matrix tile loop's inner loops: only S^T's chunk loop is left a loop
-    (`#pragma unroll 2` over CHUNKS = head_size / 16 chunks: CHUNKS / 2 iterations), where
-    the compiler did not unroll it whole; every other loop there is unrolled."""
+    """Trip counts of the matrix tile loop's inner loops: where a tile's loads do not go ahead
+    (decode_matrix.cu's LOADS_AHEAD: RDNA3 above head 64, RDNA4's larger tiles) S^T's chunk
+    loop is left a loop (`#pragma unroll 2` over CHUNKS = head_size / 16 chunks: CHUNKS / 2
+    iterations); every other loop there is unrolled."""
     children = nest.children(header)
     if not children:
         return {}
@@ -539,6 +610,7 @@ class LoopCounts:
     tokens: int
     summary: dict = field(default_factory=dict)
     share: dict = field(default_factory=dict)
+    round_trips: float = 0.0  # the memory round trips a pass waits through (round_trips)
 
     @property
     def kv_bytes(self) -> int:
@@ -555,7 +627,7 @@ class LoopCounts:
                 "wavefront": self.wave, "loop_header": self.header,
                 "inner_loop_trips": self.trips, "wavefront_share": self.share,
                 "tokens_per_pass": self.tokens,
-                "kernel_summary": self.summary,
+                "kernel_summary": self.summary, "round_trips_per_pass": self.round_trips,
                 "kv_bytes_per_pass": self.kv_bytes,
                 "per_pass": {k: self.per_pass[k] for k in CLASSES + EXTRA_KEYS},
                 "per_16_tokens": self.per_16_tokens(), "per_kv_byte": self.per_kv_byte()}
@@ -573,9 +645,10 @@ def count_loop(name: str, variant, arch: str, assembly: str | None = None,
     else:
         trips, share = matrix_trip_counts(nest, header, variant), {}
     counts = iteration(nest, header, trips, wave, path, share)
+    chain = round_trips(path_instructions(nest, header, trips, wave))
     return LoopCounts(name, variant, arch, wave, header, trips, counts,
                       tokens_per_pass(variant, wave),
-                      kernel_summary(text, variant.partition_name), share)
+                      kernel_summary(text, variant.partition_name), share, chain)
 
 
 # --- the throughput model (docs/performance.md, "AMD: predicted, not measured") ----------------
@@ -613,8 +686,9 @@ MACHINES = {
 def predict(counts: LoopCounts, machine: Machine) -> dict:
     """Seconds per KV byte on the whole GPU for each resource, and the fraction of HBM
     bandwidth the largest leaves: memory time over the largest. Plus a latency check the
-    throughput bound cannot make: how long each wait for vector memory may take on average
-    for the waves resident to still stream at full bandwidth (Little's law)."""
+    throughput bound cannot make: how long each of a pass's memory round trips (round_trips)
+    may take on average for the waves resident to still stream at full bandwidth (Little's
+    law)."""
     b = counts.per_kv_byte()
     simds = machine.cus * machine.simds_per_cu
     clock = machine.clock_ghz * 1e9
@@ -637,12 +711,12 @@ def predict(counts: LoopCounts, machine: Machine) -> dict:
     # registers and LDS allow (clang's occupancy).
     planned = counts.variant.workgroups_per_sm * (catalogue.THREADS // counts.wave)
     waves = min(planned / machine.simds_per_cu, counts.summary.get("occupancy") or planned)
-    waits = counts.per_pass["vmcnt_waits"]
-    budget = (waves * simds * counts.kv_bytes / (waits * machine.hbm_tbs * 1e12)
-              if waits else None)
+    trips = counts.round_trips
+    budget = (waves * simds * counts.kv_bytes / (trips * machine.hbm_tbs * 1e12)
+              if trips else None)
     return {"machine": machine.name, "seconds_per_kv_byte": times, "binding": binding,
             "fraction_of_hbm": times["memory"] / times[binding], "waves_per_simd": waves,
-            "vmem_waits_per_pass": waits, "wait_budget_seconds": budget}
+            "round_trips_per_pass": trips, "round_trip_budget_seconds": budget}
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -654,10 +728,11 @@ TABLE_COLUMNS = ("valu", "trans", "accvgpr", "mfma", "wmma", "lds", "vmem_load",
 def table(results: list[LoopCounts]) -> str:
     head = (f"{'variant':18} {'arch':8} {'tok/pass':>8} {'KV B/16t':>8} " +
             " ".join(f"{c:>7}" for c in TABLE_COLUMNS) +
-            f" {'LDS B':>7} {'vmem B':>7} {'vmcnt':>6} {'VALU/KB':>8} {'occ':>4}")
+            f" {'LDS B':>7} {'vmem B':>7} {'vmcnt':>6} {'trips':>6} {'VALU/KB':>8} {'occ':>4}")
     lines = ["per 16 tokens of one KV head (wavefront instructions; LDS/vmem B: bytes moved "
-             "by the lanes; vmcnt: waits for vector memory; VALU/KB: valu+trans per KiB of KV; "
-             "occ: wavefronts a SIMD, by clang)", head]
+             "by the lanes; vmcnt: waits for vector memory; trips: the memory round trips a "
+             "pass waits through; VALU/KB: valu+trans per KiB of KV; occ: wavefronts a SIMD, "
+             "by clang)", head]
     for r in results:
         p = r.per_16_tokens()
         kv16 = r.kv_bytes * 16 // r.tokens
@@ -665,24 +740,25 @@ def table(results: list[LoopCounts]) -> str:
         lines.append(f"{r.name:18} {r.arch:8} {r.tokens:8d} {kv16:8d} " +
                      " ".join(f"{p[c]:7.1f}" for c in TABLE_COLUMNS) +
                      f" {p['lds_bytes']:7.0f} {p['vmem_load_bytes']:7.0f} "
-                     f"{p['vmcnt_waits']:6.1f} {per_kb:8.1f} {r.summary.get('occupancy') or 0:4d}")
+                     f"{p['vmcnt_waits']:6.1f} {r.round_trips:6.1f} {per_kb:8.1f} "
+                     f"{r.summary.get('occupancy') or 0:4d}")
     return "\n".join(lines)
 
 
 def model_table(results: list[LoopCounts]) -> str:
     lines = ["predicted (instruction counts x issue rates; not measured): ns per MB of KV by "
              "resource, the binding one, fraction of HBM bandwidth; then the latency check: the "
-             "longest average wait for vector memory that still streams at full bandwidth"]
+             "longest average memory round trip that still streams at full bandwidth"]
     for r in results:
         for machine in MACHINES.values():
             if machine.arch != r.arch:
                 continue
             p = predict(r, machine)
             t = "  ".join(f"{k} {v * 1e15:6.1f}" for k, v in p["seconds_per_kv_byte"].items())
-            budget = p["wait_budget_seconds"]
+            budget = p["round_trip_budget_seconds"]
             lines.append(f"{r.name:18} {machine.name:12} {t}  -> {p['binding']:6} "
                          f"{100 * p['fraction_of_hbm']:5.1f}% of HBM; {p['waves_per_simd']:g} "
-                         f"waves/SIMD, {p['vmem_waits_per_pass']:g} waits a pass: "
+                         f"waves/SIMD, {p['round_trips_per_pass']:g} round trips a pass: "
                          f"{budget * 1e9 if budget else 0:.0f} ns each at most")
     return "\n".join(lines)
 

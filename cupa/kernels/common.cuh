@@ -158,6 +158,17 @@ CUPA_FN float warp_xor(float v, int lane_mask) {
 #endif
 }
 
+// Whether the predicate holds in some lane of the warp (wavefront): a uniform branch.
+CUPA_FN bool warp_any(bool predicate) {
+#if CUPA_HIP
+    return __any(predicate);
+#elif CUPA_EMULATE_AMD
+    return emu_wave_any(predicate);
+#else
+    return __any_sync(0xffffffffu, predicate);
+#endif
+}
+
 // Orders the shared-memory accesses of one warp's (wavefront's) lanes: what a lane wrote is
 // seen by the others, and no lane's later write overtakes another lane's earlier read. The
 // shuffles of warp_max / warp_sum make the lanes meet but are no memory barrier, which
@@ -169,6 +180,17 @@ CUPA_FN void warp_barrier() {
     cupa_emu::wave_sync();
 #else
     __syncwarp();
+#endif
+}
+
+// A fence for AMD's instruction scheduler: nothing it schedules crosses this point. Placed
+// after loads meant to be in flight together, it keeps them there: the scheduler would
+// otherwise sink each next to its first use, whenever that saves registers (on gfx942 the
+// matrix kernel's K loads went one at a time, each waited for, docs/perf-log.md v54). No
+// code of its own; nothing on NVIDIA or the CPU.
+CUPA_FN void schedule_fence() {
+#if CUPA_HIP
+    __builtin_amdgcn_sched_barrier(0);
 #endif
 }
 

@@ -84,6 +84,14 @@ CUPA_FN float finish_head(float m, float l, float sink, float& lse_out) {
 // (exp2 then gives 0, never NaN).
 CUPA_FN float subtrahend(float m) { return m == neg_inf() ? 0.f : m; }
 
+// Lazy max (the tensor-core and AMD matrix kernels): a row's running max moves only when a
+// logit passes it by more than LAZY_MAX (log2 units). Until then the step's exponentials stay
+// below 2^LAZY_MAX, well inside float16 and bfloat16, and the warp skips the row-max shuffles,
+// the corrections and the rescale. The result does not depend on the max used, as long as the
+// sum and the output use the same one (the merges take each warp's and partition's own max).
+constexpr float LAZY_MAX = 8.f;
+CUPA_FN bool passes_max(float mx, float m) { return mx > m + LAZY_MAX; }  // true for m = -inf
+
 CUPA_FN float sink_of(const float* sinks, i64 head, int num_heads) {
     return sinks != nullptr ? sinks[head % num_heads] : neg_inf();
 }
@@ -253,15 +261,26 @@ struct PagedRows {
     // (or the -1 that marks a token past `end`).
     CUPA_FN i64 row_in_block(int block, int t) const {
         if (block < 0 || block >= num_blocks) return -1;
-        // A row's offset in its block: both factors have at most 24 significant bits (the
-        // masks of paged_rows), so AMD's compiler issues its full-rate 24-bit multiply, not
-        // the quarter-rate 32-bit one.
+        return offset(block, t);
+    }
+    // The same for any block id (no test): a row's offset in its block has two factors of at
+    // most 24 significant bits (the masks of paged_rows), so AMD's compiler issues its
+    // full-rate 24-bit multiply, not the quarter-rate 32-bit one.
+    CUPA_FN i64 offset(int block, int t) const {
         return (i64)block * block_stride + head_offset + (i64)(((u32)t & row_mask) * token_stride);
     }
 
     // Element offset of token t's row, or -1 at or past `end` or in a block outside the cache.
     CUPA_FN i64 row(int t) const {
         return t < end ? row_in_block(table[t >> shift], t) : -1;
+    }
+
+    // The same in two steps, for loads asked for ahead with no branch around them: the block
+    // id (a token at or past `end` reads the last token's, inside the table; needs end >= 1),
+    // then the row from it.
+    CUPA_FN int block_id(int t) const { return table[(t < end ? t : end - 1) >> shift]; }
+    CUPA_FN i64 row_of(int block, int t) const {
+        return t < end && (u32)block < (u32)num_blocks ? offset(block, t) : -1;  // a select
     }
 };
 

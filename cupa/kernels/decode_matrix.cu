@@ -23,31 +23,27 @@
 //       d = i * V_CHUNKS + c, so a lane reads a contiguous run of each of its tokens' V rows.
 //       V_CHUNKS is D / 16 made even (80 and 112 have 5 and 7 chunks): the columns past D are
 //       read as zeros and their rows of O^T never written.
-// Tokens past seq_len or in blocks outside [0, num_blocks) are never read: their K and V
-// operands are zero and their logits -inf, so garbage in unwritten slots cannot reach the
-// output.
+// Tokens past seq_len or in blocks outside [0, num_blocks) are never read where they point:
+// their logits are -inf and their V operands zero (where the loads go ahead they read the
+// cache's first row instead and drop it; fetch_run), so garbage in unwritten slots cannot
+// reach the output.
 #include "decode_common.cuh"
 #include "matrix/core.cuh"
 
 namespace cupa {
 
-// N consecutive elements of type C (4, 8, 16 or 32 bytes, or a pair of fp8 codes: the low
-// half of one word) as words; zeros where `src` is null.
+// N consecutive elements of type C (4, 8 or 16k bytes, or a pair of fp8 codes: the low half
+// of one word) as words.
 template <typename C, int N>
-CUPA_FN void load_run(const C* src, u32* words) {
+CUPA_FN void load_words(const C* src, u32* words) {
     constexpr int BYTES = N * (int)sizeof(C), WORDS = BYTES / 4;
-    if constexpr (BYTES == 2) {  // V runs of fp8 codes at heads 80 and 96
-        words[0] = src == nullptr ? 0u : (u32)*reinterpret_cast<const u16*>(src);
-        return;
-    }
     static_assert(BYTES == 2 || (BYTES % 4 == 0 && (BYTES <= 8 || BYTES % 16 == 0)),
                   "a run of 2, 4, 8 or 16k bytes");
-    if (src == nullptr) {
-#pragma unroll
-        for (int i = 0; i < WORDS; ++i) words[i] = 0u;
-    } else if (BYTES == 4) {
+    if constexpr (BYTES == 2) {  // V runs of fp8 codes at heads 80 and 96
+        words[0] = (u32)*reinterpret_cast<const u16*>(src);
+    } else if constexpr (BYTES == 4) {
         words[0] = *reinterpret_cast<const u32*>(src);
-    } else if (BYTES == 8) {
+    } else if constexpr (BYTES == 8) {
         const cupa_u32x2 v = *reinterpret_cast<const cupa_u32x2*>(src);
         words[0] = v.x;
         words[1] = v.y;
@@ -58,6 +54,32 @@ CUPA_FN void load_run(const C* src, u32* words) {
             words[i] = v.x; words[i + 1] = v.y; words[i + 2] = v.z; words[i + 3] = v.w;
         }
     }
+}
+
+// The run of N elements at element `within` (< D) of a cache row (the row's offset, or -1
+// where there is nothing to read):
+//   AHEAD (MatrixPartition::LOADS_AHEAD): always a load, never a branch; -1 reads the cache's
+//     first row instead (in bounds: the host asks for a block), and the caller drops what came
+//     (`kept_or_zero`, or a logit of -inf), so that the compiler issues a tile's loads
+//     together and their round trips overlap;
+//   otherwise zeros, the load behind a test: each such load is a block of its own, waited for
+//     before the next (18 round trips a tile on gfx942 where every load was so,
+//     docs/perf-log.md v54), but it holds no registers ahead of its use.
+template <typename C, int N, bool AHEAD>
+CUPA_FN void fetch_run(const C* cache, i64 row, int within, u32* words) {
+    if (!AHEAD && row < 0) {
+#pragma unroll
+        for (int i = 0; i < (N * (int)sizeof(C) + 3) / 4; ++i) words[i] = 0u;
+    } else {
+        load_words<C, N>(cache + (row >= 0 ? row : 0) + within, words);  // K: 16-byte loads
+    }
+}
+
+// The words of a load whose token had something to read, zeros for one that had not.
+template <int WORDS>
+CUPA_FN void kept_or_zero(bool keep, u32* words) {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) words[i] = keep ? words[i] : 0u;
 }
 
 // A run of N elements of cache type C (its words as loaded) as N / 2 words of two 16-bit
@@ -134,6 +156,30 @@ struct MatrixPartition {
     }
     static constexpr int V_GROUP = v_group();
     static_assert(V_GROUP > 0 && D % V_GROUP == 0, "V runs wholly inside or past the row");
+    static constexpr int V_WORDS = (V_GROUP * (int)sizeof(C) + 3) / 4;  // a token's run, loaded
+    // Whether group c0's columns of a lane are in the row (not so at heads 80 and 112 only).
+    CUPA_FN static bool v_in_row(int col, int c0) { return V_CHUNKS * 16 == D || col * V_CHUNKS + c0 < D; }
+    // Whether a tile's loads go ahead: all issued before the first MMA (K's whole run, V's
+    // groups, the next tile's block ids), so that a pass waits through one memory round trip
+    // (v54: 18 on gfx942 before). So where the pass's arrays fit 160 of a wavefront's 256
+    // VGPRs: O^T's accumulators, K's run and V's runs as loaded, the query fragments (which
+    // the compiler keeps in registers once the chunk loop unrolls whole). 160 is the most
+    // that did not spill with clang-19: every CDNA variant dispatch runs; RDNA4 one tile to
+    // head 128 and two at 64; RDNA3 one tile at 64. Past it (RDNA4 two tiles at 80 to 128:
+    // 180 to 256, RDNA3 two at 64: 176 to 192) the loads go as before v54, each behind its
+    // test (fetch_run): K a chunk at a time, the chunk loop unrolled by 2, V a group at a
+    // time after the softmax.
+    static constexpr int V_GROUPS = V_CHUNKS / V_GROUP;
+    static constexpr int AHEAD_VGPRS = TILES * V_CHUNKS * G::ACC + G::K_RUN / 2 +
+                                       G::ELEMS * V_GROUPS * V_WORDS + TILES * G::CHUNKS * G::REGS;
+    static constexpr bool LOADS_AHEAD = AHEAD_VGPRS <= 160;
+    static constexpr int V_HELD = LOADS_AHEAD ? V_GROUPS : 1;  // groups of V in registers at once
+    static constexpr int K_AT_ONCE = LOADS_AHEAD ? G::CHUNKS : 1;  // chunks whose K loads go together
+    static constexpr int K_UNROLL = LOADS_AHEAD ? 1 : 2;
+    // Whether the running max is lazy (decode_common.cuh's LAZY_MAX): where the loads go
+    // ahead. Elsewhere the branch around the rescale cost registers there are not (on RDNA3
+    // at head 128: 17 more VGPRs, a spill with an fp8 cache); there the max moves every tile.
+    static constexpr bool LAZY = LOADS_AHEAD;
     // LDS words: the query fragments during the loop ([tile][chunk][register][lane]), then
     // the merge slots of half the wavefronts ([accumulator][lane], then max and sum by lane).
     static constexpr int Q_WORDS = TILES * G::CHUNKS * G::REGS * CUPA_WARP;
@@ -141,6 +187,74 @@ struct MatrixPartition {
     static constexpr int MERGE_WORDS = (WAVES / 2) * SLOT_WORDS;
     static constexpr int LDS_WORDS = Q_WORDS > MERGE_WORDS ? Q_WORDS : MERGE_WORDS;
 };
+
+// The max of a query row's logits over the lanes that hold its tokens: lane ^ 16, ^ 32 (the
+// k-groups, or RDNA3's half-waves).
+CUPA_FN float row_max(float lane_max) {
+#pragma unroll
+    for (int m = 16; m < CUPA_WARP; m <<= 1) lane_max = max_f(lane_max, warp_xor(lane_max, m));
+    return lane_max;
+}
+
+// p = 2^(x - m) for a lane's logits (in log2 units), and their sum.
+template <int N>
+CUPA_FN float exponentials(const float* x, float m, float* p) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int a = 0; a < N; ++a) {
+        p[a] = fast_exp2(x[a] - subtrahend(m));
+        sum += p[a];
+    }
+    return sum;
+}
+
+// O^T's accumulators of one row tile times the factor its running max moved by.
+template <int CHUNKS, int ACC, typename Acc>
+CUPA_FN void rescale(Acc* o, float keep) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int a = 0; a < ACC; ++a) o[c].r[a] *= keep;
+}
+
+// The rows a lane reads in one 16-token tile: its K row's (token t0 + col) and its PV tokens'
+// (t0 + pv_first + e). AHEAD: from block ids the kernel asks for a tile early (`ask`), so that
+// the table's round trip hides behind the tile before. Otherwise from the table at each use
+// (PagedRows::row), holding no registers through the pass.
+template <int ELEMS, bool AHEAD>
+struct TileRows {
+    int k, v[ELEMS];  // block ids (AHEAD)
+    CUPA_FN void ask(const PagedRows& rows, int t0, int col, int pv_first) {
+        k = rows.block_id(t0 + col);
+#pragma unroll
+        for (int e = 0; e < ELEMS; ++e) v[e] = rows.block_id(t0 + pv_first + e);
+    }
+    CUPA_FN i64 k_row(const PagedRows& rows, int t) const {
+        return AHEAD ? rows.row_of(k, t) : rows.row(t);
+    }
+    CUPA_FN i64 v_row(const PagedRows& rows, int e, int t) const {
+        return AHEAD ? rows.row_of(v[e], t) : rows.row(t);
+    }
+    // Which PV tokens (pv_t0 + e) are readable, a bit each.
+    CUPA_FN u32 readable(const PagedRows& rows, int pv_t0) const {
+        u32 bits = 0u;
+#pragma unroll
+        for (int e = 0; e < ELEMS; ++e) bits |= (v_row(rows, e, pv_t0 + e) >= 0 ? 1u : 0u) << e;
+        return bits;
+    }
+};
+
+// V's chunks c0 .. c0 + V_GROUP - 1 of PV token e of a lane, if readable: a run of V_GROUP
+// elements of the token's row at column col * V_CHUNKS + c0 (fetch_run; none for columns
+// past the row, at heads 80 and 112).
+template <typename P, typename C, typename Rows>
+CUPA_FN void load_v_run(const C* value_cache, const PagedRows& rows, const Rows& here,
+                        u32 readable, int pv_t0, int col, int c0, int e, u32* raw) {
+    const bool in_row = P::v_in_row(col, c0);
+    const i64 row = in_row && ((readable >> e) & 1u) ? here.v_row(rows, e, pv_t0 + e) : -1;
+    fetch_run<C, P::V_GROUP, P::LOADS_AHEAD>(value_cache, row, in_row ? col * P::V_CHUNKS + c0 : 0,
+                                             raw);
+}
 
 template <typename T, typename C, int D, int TILES>
 CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
@@ -203,40 +317,64 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     __syncthreads();
 
+    // The block ids of this wavefront's first tile, where the loads go ahead: each pass asks
+    // for the next tile's with its own loads.
+    TileRows<ELEMS, P::LOADS_AHEAD> ids;
+    if constexpr (P::LOADS_AHEAD) ids.ask(rows, w.start + 16 * wave, col, kgroup * ELEMS);
+
     for (int t0 = w.start + 16 * wave; t0 < w.end; t0 += 16 * WAVES) {
+        // This tile's rows: K's (token t0 + col), and which of the PV tokens (pv_t0 + e) are
+        // readable: here where V loads ahead, after S^T otherwise (earlier, RDNA3 took 8 more
+        // VGPRs, an occupancy step).
+        const TileRows<ELEMS, P::LOADS_AHEAD> here = ids;
+        const int pv_t0 = t0 + kgroup * ELEMS;
+        const i64 k_row = here.k_row(rows, t0 + col);
+        u32 readable = P::LOADS_AHEAD ? here.readable(rows, pv_t0) : 0u;
+
+        // The tile's loads, issued together where they go ahead: V's groups of chunks, the
+        // next tile's block ids, then K's run (the chunk loop below). A K row with nothing to
+        // read reads the cache's first row there (fetch_run): its logits become -inf in the
+        // softmax.
+        u32 v_raw[P::V_HELD][P::LOADS_AHEAD ? ELEMS : 1][P::V_WORDS];
+        if constexpr (P::LOADS_AHEAD) {
+#pragma unroll
+            for (int g = 0; g < P::V_GROUPS; ++g)
+#pragma unroll
+                for (int e = 0; e < ELEMS; ++e)
+                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, g * V_GROUP, e, v_raw[g][e]);
+            ids.ask(rows, t0 + 16 * WAVES, col, kgroup * ELEMS);
+        }
+
         // S^T = K Q^T for every row tile; this lane's K row is token t0 + col.
         Acc s[TILES];
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
             for (int a = 0; a < ACC; ++a) s[tile].r[a] = 0.0f;
-        const i64 k_row = rows.row(t0 + col);
-        const C* k_run = k_row >= 0 ? key_cache + k_row + kgroup * G::K_RUN : nullptr;
-        // Not unrolled whole: the compiler would hoist every chunk's K loads, which RDNA3's
-        // replicated operands (a whole K row a lane) cannot hold in registers.
-#pragma unroll 2
-        for (int c = 0; c < CHUNKS; ++c) {
-            u32 raw[ELEMS * sizeof(C) / 4];
-            load_run<C, ELEMS>(k_run != nullptr ? k_run + c * ELEMS : nullptr, raw);
-            AB k;
-            Widen<T, C, ELEMS>::run(raw, k.r);
+#pragma unroll(P::K_UNROLL)
+        for (int c0 = 0; c0 < CHUNKS; c0 += P::K_AT_ONCE) {
+            u32 raw[P::K_AT_ONCE][ELEMS * sizeof(C) / 4];
 #pragma unroll
-            for (int tile = 0; tile < TILES; ++tile) {
-                AB q;
+            for (int b = 0; b < P::K_AT_ONCE; ++b)
+                fetch_run<C, ELEMS, P::LOADS_AHEAD>(key_cache, k_row,
+                                                    kgroup * G::K_RUN + (c0 + b) * ELEMS, raw[b]);
+            if constexpr (P::LOADS_AHEAD) schedule_fence();  // the loads above stay together
 #pragma unroll
-                for (int j = 0; j < REGS; ++j)
-                    q.r[j] = lds[((tile * CHUNKS + c) * REGS + j) * CUPA_WARP + lane];
-                s[tile] = Core::mma(k, q, s[tile]);
+            for (int b = 0; b < P::K_AT_ONCE; ++b) {
+                AB k;
+                Widen<T, C, ELEMS>::run(raw[b], k.r);
+#pragma unroll
+                for (int tile = 0; tile < TILES; ++tile) {
+                    AB q;
+#pragma unroll
+                    for (int j = 0; j < REGS; ++j)
+                        q.r[j] = lds[((tile * CHUNKS + c0 + b) * REGS + j) * CUPA_WARP + lane];
+                    s[tile] = Core::mma(k, q, s[tile]);
+                }
             }
         }
 
-        // Which of this lane's PV tokens (k-group g: tile tokens g * ELEMS + e) are readable:
-        // a bit each, their rows found again when V is read (16 int64 rows would hold 32
-        // VGPRs through the softmax).
-        const int pv_t0 = t0 + kgroup * ELEMS;
-        u32 readable = 0u;
-#pragma unroll
-        for (int e = 0; e < ELEMS; ++e) readable |= (rows.row(pv_t0 + e) >= 0 ? 1u : 0u) << e;
+        if constexpr (!P::LOADS_AHEAD) readable = here.readable(rows, pv_t0);
 
         // Online softmax per row tile, then P^T as 16-bit operand.
         AB p_op[TILES];
@@ -255,24 +393,28 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                 x[a] = seen ? x[a] + slope[tile] * (float)(t - pos[tile]) : neg_inf();
                 tile_max = max_f(tile_max, x[a]);
             }
-            // The other lanes of this query row: lane ^ 16, ^ 32 (the k-groups, or RDNA3's
-            // half-waves, which hold the tile's other tokens).
-#pragma unroll
-            for (int m = 16; m < CUPA_WARP; m <<= 1) tile_max = max_f(tile_max, warp_xor(tile_max, m));
-            const float m_new = max_f(m_run[tile], tile_max);
-            const float keep = fast_exp2(m_run[tile] - subtrahend(m_new));  // 0 from -inf
-            float p[ACC], sum = 0.0f;
-#pragma unroll
-            for (int a = 0; a < ACC; ++a) {
-                p[a] = fast_exp2(x[a] - subtrahend(m_new));
-                sum += p[a];
+            // P::LAZY: the running max moves only where some logit of the wavefront passes it
+            // by more than LAZY_MAX, mostly in the first tiles; then the row's max over the
+            // other lanes holding its tokens, and O^T and the sum rescaled; otherwise none of
+            // that. Not lazy: every tile, in that order (which the registers of RDNA3's two
+            // tiles at head 96 need: the lazy form's order spilled there).
+            float p[ACC];
+            if constexpr (P::LAZY) {
+                if (warp_any(passes_max(tile_max, m_run[tile]))) {
+                    const float m_new = max_f(m_run[tile], row_max(tile_max));
+                    const float keep = fast_exp2(m_run[tile] - subtrahend(m_new));  // 0 from -inf
+                    l_run[tile] *= keep;
+                    m_run[tile] = m_new;
+                    rescale<V_CHUNKS, ACC>(o[tile], keep);
+                }
+                l_run[tile] += exponentials<ACC>(x, m_run[tile], p);  // this lane's share
+            } else {
+                const float m_new = max_f(m_run[tile], row_max(tile_max));
+                const float keep = fast_exp2(m_run[tile] - subtrahend(m_new));
+                l_run[tile] = l_run[tile] * keep + exponentials<ACC>(x, m_new, p);
+                m_run[tile] = m_new;
+                rescale<V_CHUNKS, ACC>(o[tile], keep);
             }
-            l_run[tile] = l_run[tile] * keep + sum;  // this lane's share; summed at the end
-            m_run[tile] = m_new;
-#pragma unroll
-            for (int c = 0; c < V_CHUNKS; ++c)
-#pragma unroll
-                for (int a = 0; a < ACC; ++a) o[tile][c].r[a] *= keep;
             if constexpr (G::in_place()) {
 #pragma unroll
                 for (int j = 0; j < REGS; ++j) p_op[tile].r[j] = Elem<T>::narrow_word(p[2 * j], p[2 * j + 1]);
@@ -287,19 +429,21 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             }
         }
 
-        // O^T += V^T P^T, V read in groups of V_GROUP chunks: a run of V_GROUP elements of each
-        // token's row at column col * V_CHUNKS + c0 (zeros past the row: heads 80 and 112).
+        // O^T += V^T P^T, V in groups of V_GROUP chunks: a run of V_GROUP elements of each
+        // token's row at column col * V_CHUNKS + c0 (loaded above where the loads go ahead).
 #pragma unroll
         for (int c0 = 0; c0 < V_CHUNKS; c0 += V_GROUP) {
+            const bool in_row = P::v_in_row(col, c0);
             u32 wide[ELEMS][V_GROUP / 2];  // each token's run, as 16-bit pairs
 #pragma unroll
             for (int e = 0; e < ELEMS; ++e) {
-                i64 row = (readable >> e) & 1u ? rows.row(pv_t0 + e) : -1;
-                if constexpr (V_CHUNKS * 16 != D)  // heads 80, 112: no columns past the row
-                    row = col * V_CHUNKS + c0 < D ? row : -1;
-                u32 raw[(V_GROUP * sizeof(C) + 3) / 4];
-                load_run<C, V_GROUP>(row >= 0 ? value_cache + row + col * V_CHUNKS + c0 : nullptr,
-                                     raw);
+                // Loaded ahead: the words as they came, those with nothing to read zeroed.
+                // Otherwise loaded here, a token at a time (the base form's registers).
+                u32* raw = v_raw[P::LOADS_AHEAD ? c0 / V_GROUP : 0][P::LOADS_AHEAD ? e : 0];
+                if constexpr (P::LOADS_AHEAD)
+                    kept_or_zero<P::V_WORDS>(in_row && ((readable >> e) & 1u), raw);
+                else
+                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, c0, e, raw);
                 Widen<T, C, V_GROUP>::run(raw, wide[e]);
             }
 #pragma unroll
@@ -399,8 +543,17 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
 
 }  // namespace cupa
 
+// On CDNA at most 256 registers a lane (2 wavefronts a SIMD, what the planner launches there),
+// so that LLVM selects the MFMAs' VGPR form: O's accumulators then stay where the lazy max's
+// rescale works on them, not copied between AGPRs and VGPRs every tile (72 v_accvgpr moves a
+// tile on gfx942 before, docs/perf-log.md v54).
+#if CUPA_HIP && CUPA_AMD_MFMA
+#define CUPA_MATRIX_KERNEL_BOUNDS __launch_bounds__(CUPA_THREADS) __attribute__((amdgpu_waves_per_eu(2)))
+#else
+#define CUPA_MATRIX_KERNEL_BOUNDS __launch_bounds__(CUPA_THREADS)
+#endif
 #define CUPA_DECODE_MATRIX_VARIANT(NAME, T, C, D, TILES)                                         \
-    extern "C" __global__ void __launch_bounds__(CUPA_THREADS)                                  \
+    extern "C" __global__ void CUPA_MATRIX_KERNEL_BOUNDS                                        \
         NAME(CUPA_PARTITION_PARAMS(T, C)) {                                                      \
         cupa::start_in_chain(); /* see decode_common.cuh */                                     \
         cupa::decode_partition_matrix<T, C, D, TILES>(CUPA_PARTITION_ARGS);                      \

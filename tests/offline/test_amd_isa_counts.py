@@ -79,6 +79,21 @@ def test_counting_rule_on_a_toy_loop():
     assert counts["vmcnt_waits"] == 1
 
 
+def test_round_trips_follow_the_waits():
+    """A pass's dependent chain: serial load-wait pairs count one each, loads waited for
+    together once, a load issued a pass ahead of its wait (a prefetch) nothing; gfx9's
+    vmcnt, gfx12's loadcnt and its combined form (load count in bits 13:8) alike."""
+    load, wait = ("global_load_dwordx4", "v[0:3], v[4:5], off"), ("s_waitcnt", "vmcnt(0)")
+    assert A.round_trips([load, wait] * 3) == 3
+    assert A.round_trips([load] * 3 + [wait, ("v_mfma_f32_16x16x16_f16", "")]) == 1
+    # the wait retires the load issued in the pass before, leaving this pass's one in flight
+    assert A.round_trips([("s_waitcnt", "vmcnt(1)"), load]) == 0
+    assert A.round_trips([("s_waitcnt", "lgkmcnt(0)"), load]) == 0  # no wait for loads
+    assert A.vmem_wait_limit("s_wait_loadcnt", "0x2") == 2
+    assert A.vmem_wait_limit("s_wait_loadcnt_dscnt", "0x107") == 1
+    assert A.vmem_wait_limit("s_wait_dscnt", "0x0") is None
+
+
 def test_rates_match_the_matrix_calculator_tables():
     """The model's matrix-instruction cycles are AMD's calculator figures kept in tests/data."""
     def cycles(name):
@@ -109,22 +124,53 @@ def test_matrix_loop_on_gfx942(gfx942):
     c = r.per_pass
     # one 16-token tile a pass: head_size / 16 MFMAs for QK and as many for PV, one row tile
     assert r.tokens == 16 and c["mfma"] == 2 * variant.head_size // 16 == 16
-    # the S^T chunk loop, unrolled by 2, is the one inner loop: head_size / 32 passes
-    assert c["wmma"] == 0 and list(r.trips.values()) == [variant.head_size // 32]
+    # every loop in the pass unrolled; no branch around a load
+    assert c["wmma"] == 0 and r.trips == {}
     assert r.kv_bytes == 16 * 128 * 2 * 2 == 8192
     assert integral(c) and all(c[k] > 0 for k in ("valu", "trans", "vmem_load", "salu"))
     assert c["vmem_load_bytes"] >= r.kv_bytes  # the loads cover the tile's K and V
     assert r.summary["scratch_bytes"] == 0
+    # the tile's loads go ahead together (the next tile's block ids with them): a pass waits
+    # through one memory round trip (18 before v54, each K piece and block id in turn)
+    assert r.round_trips == 1
+
+
+@pytest.mark.parametrize("arch, dtype, cache", [("gfx90a", "bfloat16", None),
+                                                ("gfx1201", "float16", None),
+                                                ("gfx942", "float16", "fp8_amd"),
+                                                ("gfx1201", "float16", "fp8")])
+def test_matrix_loads_go_ahead(gfx942, arch, dtype, cache):
+    """One memory round trip a pass wherever a lane's K run fits its registers (CDNA, RDNA4),
+    both caches, without spills. RDNA3 loads K a chunk pair at a time (fewer round trips than
+    its 54 before v54, not one; docs/performance.md)."""
+    need_compiler(A.offline.hip_toolchain_missing(arch))
+    r = A.count_loop("matrix", DecodeMatrixVariant(dtype, 128, 1, cache), arch)
+    assert r.round_trips == 1 and r.summary["scratch_bytes"] == 0 and r.trips == {}
+
+
+def test_matrix_loads_on_rdna3(gfx942):
+    """RDNA3 holds a token's whole K row a lane: at head 64 (one tile) the pass still fits the
+    registers and goes ahead, one round trip; at head 128 it does not (decode_matrix.cu's
+    AHEAD_VGPRS), and the kernel keeps the guarded loads in turn, S^T's chunk loop by 2
+    (head_size / 32 passes), with no spills and its occupancy before v54 (7)."""
+    need_compiler(A.offline.hip_toolchain_missing("gfx1100"))
+    small = A.count_loop("matrix", DecodeMatrixVariant("float16", 64, 1), "gfx1100")
+    assert small.round_trips == 1 and small.summary["scratch_bytes"] == 0
+    r = A.count_loop("matrix", DecodeMatrixVariant("float16", 128, 1), "gfx1100")
+    assert list(r.trips.values()) == [128 // 32]
+    assert r.summary["scratch_bytes"] == 0 and r.summary["occupancy"] == 7
 
 
 @pytest.mark.parametrize("head_size", [80, 96, 112, 192])
 def test_matrix_loop_at_the_other_head_sizes_on_gfx942(gfx942, head_size):
     """QK takes head_size / 16 MFMAs a pass, PV one per 16-row tile of O^T: as many, made even
-    (80 and 112: 6 and 8 tiles, the last one's columns past the row zeros); no spills."""
+    (80 and 112: 6 and 8 tiles, the last one's columns past the row zeros); no spills; every
+    group of V loaded ahead with K, one round trip."""
     r = A.count_loop("matrix", DecodeMatrixVariant("float16", head_size, 1), gfx942)
     chunks = head_size // 16
     assert r.per_pass["mfma"] == chunks + (chunks + 1) // 2 * 2
     assert r.kv_bytes == 16 * head_size * 2 * 2 and r.summary["scratch_bytes"] == 0
+    assert r.round_trips == 1
     assert integral(r.per_pass)
 
 

@@ -12,6 +12,9 @@ owns, the outputs start as NaN, and lengths 0, 1, one block and several partitio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
@@ -61,6 +64,22 @@ def test_matrix_kernel_two_row_tiles(rng, arch):
         case = make_case(rng, num_kv_heads=1, group=group, seq_lens=(5, 37, 300),
                          new_tokens=new_tokens)
         result = decode_on_cpu(arch, *case.args(), **case.options())
+        assert isinstance(result.plan.variant, DecodeMatrixVariant)
+        check_result(result, case, REL_BOUND["float16"])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_matrix_kernel_running_max_moves(rng, arch):
+    """Logits that keep growing along the sequence: ALiBi slopes of 0.05 to 1.5 a token add
+    0.8 to 24 to the logits of each next 16-token tile, so the lazy running max (CDNA, RDNA4)
+    moves in the middle of the partitions, every tile on the steep heads and now and then on
+    the gentle ones; a negative slope's max stays at the first tile."""
+    case = make_case(rng, num_kv_heads=1, group=8, seq_lens=(37, 300, 1000), alibi=True)
+    case = replace(case, alibi_slopes=np.array([1.5, 0.5, 0.2, 0.1, 0.05, 0.0, -0.05, -0.5],
+                                               dtype=np.float32))
+    for partition_size in (None, 512):
+        result = decode_on_cpu(arch, *case.args(), **case.options(),
+                               partition_size=partition_size)
         assert isinstance(result.plan.variant, DecodeMatrixVariant)
         check_result(result, case, REL_BOUND["float16"])
 

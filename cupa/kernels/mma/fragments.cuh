@@ -257,12 +257,4 @@ CUPA_FN bool update_max(float& m, float mx, float& corr, float& use) {
     return moved;
 }
 
-// Lazy max: a row's running max moves only when a logit passes it by more than LAZY_MAX (log2
-// units). Until then the step's exponentials stay below 2^LAZY_MAX, well inside float16 and
-// bfloat16, and the warp skips the row-max shuffles, the corrections and the rescale. The
-// result does not depend on the max used, as long as the sum and the output use the same one
-// (the merges take each warp's and partition's own max).
-constexpr float LAZY_MAX = 8.f;
-CUPA_FN bool passes_max(float mx, float m) { return mx > m + LAZY_MAX; }  // true for m = -inf
-
 }  // namespace cupa
