@@ -359,22 +359,24 @@ def iteration(nest: LoopNest, header: str, trips: dict, wave: int,
         out.discard(None)  # an edge out of the loop: not part of an iteration
         return sorted(out)
 
-    # The body without its back edges is acyclic: order it, ends first.
-    succ, order, state = {}, [], {}
-
-    def visit(node: str) -> None:
-        state[node] = "open"
-        succ[node] = successors(node)
-        for s in succ[node]:
-            if s == "END" or state.get(s) == "done":
-                continue
-            if state.get(s) == "open":
-                raise RuntimeError(f"a cycle in loop {header}'s body besides its back edge")
-            visit(s)
-        state[node] = "done"
-        order.append(node)
-
-    visit(header)
+    # The body without its back edges is acyclic: order it, ends first (a depth-first walk
+    # with its own stack: a loop that spills has more blocks than Python's recursion allows).
+    succ, order, state = {header: successors(header)}, [], {header: "open"}
+    stack = [(header, 0)]
+    while stack:
+        node, i = stack.pop()
+        if i == len(succ[node]):
+            state[node] = "done"
+            order.append(node)
+            continue
+        stack.append((node, i + 1))
+        s = succ[node][i]
+        if s == "END" or state.get(s) == "done":
+            continue
+        if state.get(s) == "open":
+            raise RuntimeError(f"a cycle in loop {header}'s body besides its back edge")
+        state[s], succ[s] = "open", successors(s)
+        stack.append((s, 0))
 
     def weight(node: str):
         if is_child(node):  # an inner loop, counted trips times over

@@ -79,6 +79,19 @@ def test_counting_rule_on_a_toy_loop():
     assert counts["vmcnt_waits"] == 1
 
 
+def test_a_loop_of_many_blocks():
+    """A loop body of 3000 blocks (a kernel that spills has well over a thousand): the walk
+    over it keeps its own stack, so Python's recursion limit does not stop the count."""
+    lines = ["big:", "\ts_mov_b32 s0, 0", ".LBB0_1:                                ; =>This Loop Header: Depth=1"]
+    for i in range(2, 3002):
+        lines += ["\tv_add_f32_e32 v0, v0, v0", f"\ts_cbranch_execz .LBB0_{i}",
+                  f".LBB0_{i}:                                ;   in Loop: Header=BB0_1 Depth=1"]
+    lines += ["\ts_cbranch_scc1 .LBB0_1", "; %bb.3002:", "\ts_endpgm", ".Lfunc_end0:"]
+    nest = A.LoopNest(A.parse_blocks(A.function_lines("\n".join(lines), "big")))
+    assert nest.main_loop() == "BB0_1"
+    assert A.iteration(nest, "BB0_1", {}, 64)["valu"] == 3000
+
+
 def test_round_trips_follow_the_waits():
     """A pass's dependent chain: serial load-wait pairs count one each, loads waited for
     together once, a load issued a pass ahead of its wait (a prefetch) nothing; gfx9's
