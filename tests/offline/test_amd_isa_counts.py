@@ -82,7 +82,8 @@ def test_counting_rule_on_a_toy_loop():
 def test_a_loop_of_many_blocks():
     """A loop body of 3000 blocks (a kernel that spills has well over a thousand): the walk
     over it keeps its own stack, so Python's recursion limit does not stop the count."""
-    lines = ["big:", "\ts_mov_b32 s0, 0", ".LBB0_1:                                ; =>This Loop Header: Depth=1"]
+    lines = ["big:", "\ts_mov_b32 s0, 0",
+             ".LBB0_1:                                ; =>This Loop Header: Depth=1"]
     for i in range(2, 3002):
         lines += ["\tv_add_f32_e32 v0, v0, v0", f"\ts_cbranch_execz .LBB0_{i}",
                   f".LBB0_{i}:                                ;   in Loop: Header=BB0_1 Depth=1"]
@@ -153,9 +154,9 @@ def test_matrix_loop_on_gfx942(gfx942):
                                                 ("gfx942", "float16", "fp8_amd"),
                                                 ("gfx1201", "float16", "fp8")])
 def test_matrix_loads_go_ahead(gfx942, arch, dtype, cache):
-    """One memory round trip a pass wherever a lane's K run fits its registers (CDNA, RDNA4),
-    both caches, without spills. RDNA3 loads K a chunk pair at a time (fewer round trips than
-    its 54 before v54, not one; docs/performance.md)."""
+    """One memory round trip a pass wherever a tile's loads fit the registers (decode_matrix.cu's
+    AHEAD_VGPRS: every CDNA variant, RDNA4 to head 128 at one tile), both caches, without
+    spills."""
     need_compiler(A.offline.hip_toolchain_missing(arch))
     r = A.count_loop("matrix", DecodeMatrixVariant(dtype, 128, 1, cache), arch)
     assert r.round_trips == 1 and r.summary["scratch_bytes"] == 0 and r.trips == {}
