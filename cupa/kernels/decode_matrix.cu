@@ -173,7 +173,6 @@ struct MatrixPartition {
     static constexpr int AHEAD_VGPRS = TILES * V_CHUNKS * G::ACC + G::K_RUN / 2 +
                                        G::ELEMS * V_GROUPS * V_WORDS + TILES * G::CHUNKS * G::REGS;
     static constexpr bool LOADS_AHEAD = AHEAD_VGPRS <= 160;
-    static constexpr int V_HELD = LOADS_AHEAD ? V_GROUPS : 1;  // groups of V in registers at once
     static constexpr int K_AT_ONCE = LOADS_AHEAD ? G::CHUNKS : 1;  // chunks whose K loads go together
     static constexpr int K_UNROLL = LOADS_AHEAD ? 1 : 2;
     // Whether the running max is lazy (decode_common.cuh's LAZY_MAX): where the loads go
@@ -335,7 +334,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         // next tile's block ids, then K's run (the chunk loop below). A K row with nothing to
         // read reads the cache's first row there (fetch_run): its logits become -inf in the
         // softmax.
-        u32 v_raw[P::V_HELD][P::LOADS_AHEAD ? ELEMS : 1][P::V_WORDS];
+        u32 v_raw[P::V_GROUPS][ELEMS][P::V_WORDS];  // (where the loads go ahead)
         if constexpr (P::LOADS_AHEAD) {
 #pragma unroll
             for (int g = 0; g < P::V_GROUPS; ++g)
@@ -439,7 +438,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             for (int e = 0; e < ELEMS; ++e) {
                 // Loaded ahead: the words as they came, those with nothing to read zeroed.
                 // Otherwise loaded here, a token at a time (the base form's registers).
-                u32* raw = v_raw[P::LOADS_AHEAD ? c0 / V_GROUP : 0][P::LOADS_AHEAD ? e : 0];
+                u32 fetched[P::V_WORDS];
+                u32* raw = P::LOADS_AHEAD ? v_raw[c0 / V_GROUP][e] : fetched;
                 if constexpr (P::LOADS_AHEAD)
                     kept_or_zero<P::V_WORDS>(in_row && ((readable >> e) & 1u), raw);
                 else

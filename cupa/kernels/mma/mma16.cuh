@@ -190,7 +190,7 @@ CUPA_FN void decode_partition_mma16(
             float corr_lo = 1.f, corr_hi = 1.f;
             float use_lo = subtrahend(m_lo), use_hi = subtrahend(m_hi);
             bool moved = false;
-            if (__any_sync(0xffffffffu, passes_max(mx_lo, m_lo) || passes_max(mx_hi, m_hi))) {
+            if (warp_any(passes_max(mx_lo, m_lo) || passes_max(mx_hi, m_hi))) {
                 mx_lo = max_f(mx_lo, warp_xor(mx_lo, 1));
                 mx_lo = max_f(mx_lo, warp_xor(mx_lo, 2));
                 mx_hi = max_f(mx_hi, warp_xor(mx_hi, 1));
@@ -211,7 +211,7 @@ CUPA_FN void decode_partition_mma16(
             pf[1] = MmaOp<M>::pack(p[2], p[3]);
             pf[2] = MmaOp<M>::pack(p[4], p[5]);
             pf[3] = MmaOp<M>::pack(p[6], p[7]);
-            if (__any_sync(0xffffffffu, moved)) {
+            if (warp_any(moved)) {
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     acc[j][0] *= corr_lo; acc[j][1] *= corr_lo;

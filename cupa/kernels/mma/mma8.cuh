@@ -164,7 +164,7 @@ CUPA_FN void decode_partition_mma8(
         float corr_e = 1.f, corr_o = 1.f;
         float use_e = subtrahend(m_e), use_o = subtrahend(m_o);
         bool moved = false;
-        if (__any_sync(0xffffffffu, passes_max(mx_e, m_e) || passes_max(mx_o, m_o))) {
+        if (warp_any(passes_max(mx_e, m_e) || passes_max(mx_o, m_o))) {
 #pragma unroll
             for (int mask = 4; mask < 32; mask <<= 1) {
                 mx_e = max_f(mx_e, warp_xor(mx_e, mask));
@@ -185,7 +185,7 @@ CUPA_FN void decode_partition_mma8(
             pb[u][0] = transpose8x8(MmaOp<M>::pack(p0, p1));
             pb[u][1] = transpose8x8(MmaOp<M>::pack(p2, p3));
         }
-        if (__any_sync(0xffffffffu, moved)) {
+        if (warp_any(moved)) {
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
                 acc[i][0] *= corr_e; acc[i][1] *= corr_o;
