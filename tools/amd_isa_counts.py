@@ -23,7 +23,7 @@ the path a wavefront takes in the steady state of a long context:
     kernel's compile-time constants, not from the assembly (portable_trip_counts below; the
     source of each is named there). Inner loops that are fully unrolled are not loops in the
     assembly and need none. The matrix kernel's loop keeps at most its S^T chunk loop, where
-    its loads do not go ahead (`#pragma unroll 2`: head_size / 32 iterations,
+    its loads do not go ahead (two chunks an iteration: head_size / 32 iterations,
     matrix_trip_counts); the tool fails on an inner loop it has no trip count for rather than
     guess.
   - counts are per wavefront: one instruction issued by one wavefront is 1, whatever its
@@ -283,6 +283,26 @@ class LoopNest:
         for b in blocks:
             if b.header_depth:
                 self.parent[b.name] = b.parent_loops.get(b.header_depth - 1)
+        self._adopt_outside_latches()
+
+    def _adopt_outside_latches(self) -> None:
+        """Block placement can leave a piece of an inner loop's cycle in the loop around it, by
+        its annotation: a block entered from inside the inner loop (and from before it) whose
+        every edge goes into the inner loop, as where the matrix kernel's S^T chunk loop is
+        rotated around a uniform test (decode_matrix.cu: the last step of an odd count of
+        chunks). Such a block belongs to the inner loop's iteration; moved there, the loop's
+        body without its back edges is acyclic again."""
+        for header, outer in self.parent.items():
+            inside = set(self.members(header))
+            for name in self.order:
+                block = self.blocks[name]
+                if block.loop != outer or outer is None:
+                    continue
+                targets = [t for t, _ in block.edges]
+                entered_from_inside = any(name in (t for t, _ in self.blocks[m].edges)
+                                          for m in inside)
+                if targets and entered_from_inside and all(t in inside for t in targets):
+                    block.loop = header
 
     def chain(self, name: str) -> list[str]:
         """The loops holding block `name`, innermost first."""
@@ -563,8 +583,9 @@ def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tup
 def matrix_trip_counts(nest: LoopNest, header: str, variant) -> dict:
     """Trip counts of the matrix tile loop's inner loops: where a tile's loads do not go ahead
     (decode_matrix.cu's LOADS_AHEAD: RDNA3 above head 64, RDNA4's larger tiles) S^T's chunk
-    loop is left a loop (`#pragma unroll 2` over CHUNKS = head_size / 16 chunks: CHUNKS / 2
-    iterations); every other loop there is unrolled."""
+    loop is left a loop over CHUNKS = head_size / 16 chunks: two chunks an iteration, in steps
+    (STEPPED) or unrolled by 2 (the guarded loads), so CHUNKS / 2 iterations (at 80 and 112 the
+    last holds one chunk: a half); every other loop there is unrolled."""
     children = nest.children(header)
     if not children:
         return {}

@@ -58,16 +58,16 @@ CUPA_FN void load_words(const C* src, u32* words) {
 
 // The run of N elements at element `within` (< D) of a cache row (the row's offset, or -1
 // where there is nothing to read):
-//   AHEAD (MatrixPartition::LOADS_AHEAD): always a load, never a branch; -1 reads the cache's
-//     first row instead (in bounds: the host asks for a block), and the caller drops what came
-//     (`kept_or_zero`, or a logit of -inf), so that the compiler issues a tile's loads
+//   UNGUARDED (MatrixPartition::UNGUARDED): always a load, never a branch; -1 reads the
+//     cache's first row instead (in bounds: the host asks for a block), and the caller drops
+//     what came (`kept_or_zero`, or a logit of -inf), so that the compiler issues loads
 //     together and their round trips overlap;
 //   otherwise zeros, the load behind a test: each such load is a block of its own, waited for
 //     before the next (18 round trips a tile on gfx942 where every load was so,
 //     docs/perf-log.md v54), but it holds no registers ahead of its use.
-template <typename C, int N, bool AHEAD>
+template <typename C, int N, bool UNGUARDED>
 CUPA_FN void fetch_run(const C* cache, i64 row, int within, u32* words) {
-    if (!AHEAD && row < 0) {
+    if (!UNGUARDED && row < 0) {
 #pragma unroll
         for (int i = 0; i < (N * (int)sizeof(C) + 3) / 4; ++i) words[i] = 0u;
     } else {
@@ -159,22 +159,33 @@ struct MatrixPartition {
     static constexpr int V_WORDS = (V_GROUP * (int)sizeof(C) + 3) / 4;  // a token's run, loaded
     // Whether group c0's columns of a lane are in the row (not so at heads 80 and 112 only).
     CUPA_FN static bool v_in_row(int col, int c0) { return V_CHUNKS * 16 == D || col * V_CHUNKS + c0 < D; }
-    // Whether a tile's loads go ahead: all issued before the first MMA (K's whole run, V's
-    // groups, the next tile's block ids), so that a pass waits through one memory round trip
-    // (v54: 18 on gfx942 before). So where the pass's arrays fit 160 of a wavefront's 256
-    // VGPRs: O^T's accumulators, K's run and V's runs as loaded, the query fragments (which
-    // the compiler keeps in registers once the chunk loop unrolls whole). 160 is the most
-    // that did not spill with clang-19: every CDNA variant dispatch runs; RDNA4 one tile to
-    // head 128 and two at 64; RDNA3 one tile at 64. Past it (RDNA4 two tiles at 80 to 128:
-    // 180 to 256, RDNA3 two at 64: 176 to 192) the loads go as before v54, each behind its
-    // test (fetch_run): K a chunk at a time, the chunk loop unrolled by 2, V a group at a
-    // time after the softmax.
+    // How a tile's loads go, by the registers they would hold (VGPRs of a wavefront's 256;
+    // the limits are the most that did not spill with clang-19, docs/perf-log.md v54, v55):
+    //   LOADS_AHEAD: all issued before the first MMA (K's whole run, V's groups, the next
+    //     tile's block ids), so that a pass waits through one memory round trip (v54: 18 on
+    //     gfx942 before). Where the pass's arrays fit 160: those held through it (O^T's
+    //     accumulators, the query fragments, which the compiler keeps in registers once the
+    //     chunk loop unrolls whole), K's run and V's runs as loaded. Every CDNA variant
+    //     dispatch runs; RDNA4 one tile to head 128 and two at 64; RDNA3 one tile at 64.
+    //   STEPPED: where only the arrays held through the pass fit 160: no test around a load
+    //     either, but K two chunks at a time, V a group at a time after the softmax, the next
+    //     tile's block ids asked for at the end of the pass: 4-10 round trips a pass (v55:
+    //     34-120 before). RDNA3 one tile at 80 to 128 and two at 64; RDNA4 one tile at 192,
+    //     two at 80 and 96. Holding K's and V's whole runs there spilled.
+    //   otherwise (RDNA3 at 192 and 256 and two tiles at 96, RDNA4 at 256 and two tiles at
+    //     128: the stepped form spilled) as before v54, each load behind its test (fetch_run):
+    //     K a chunk at a time, the chunk loop unrolled by 2, V a group at a time after the
+    //     softmax.
     static constexpr int V_GROUPS = V_CHUNKS / V_GROUP;
-    static constexpr int AHEAD_VGPRS = TILES * V_CHUNKS * G::ACC + G::K_RUN / 2 +
-                                       G::ELEMS * V_GROUPS * V_WORDS + TILES * G::CHUNKS * G::REGS;
+    static constexpr int HELD_VGPRS = TILES * V_CHUNKS * G::ACC + TILES * G::CHUNKS * G::REGS;
+    static constexpr int AHEAD_VGPRS = HELD_VGPRS + G::K_RUN / 2 + G::ELEMS * V_GROUPS * V_WORDS;
     static constexpr bool LOADS_AHEAD = AHEAD_VGPRS <= 160;
-    static constexpr int K_AT_ONCE = LOADS_AHEAD ? G::CHUNKS : 1;  // chunks whose K loads go together
-    static constexpr int K_UNROLL = LOADS_AHEAD ? 1 : 2;
+    static constexpr bool STEPPED = !LOADS_AHEAD && HELD_VGPRS <= 160;
+    static constexpr bool UNGUARDED = LOADS_AHEAD || STEPPED;
+    // Chunks whose K loads go together, and the chunk loop's unrolling (none in steps: unrolled
+    // whole, the loop kept its query fragments in registers and spilled).
+    static constexpr int K_AT_ONCE = LOADS_AHEAD ? G::CHUNKS : STEPPED ? 2 : 1;
+    static constexpr int K_UNROLL = UNGUARDED ? 1 : 2;
     // Whether the running max is lazy (decode_common.cuh's LAZY_MAX): where the loads go
     // ahead. Elsewhere the branch around the rescale cost registers there are not (on RDNA3
     // at head 128: 17 more VGPRs, a spill with an fp8 cache); there the max moves every tile.
@@ -218,8 +229,8 @@ CUPA_FN void rescale(Acc* o, float keep) {
 
 // The rows a lane reads in one 16-token tile: its K row's (token t0 + col) and its PV tokens'
 // (t0 + pv_first + e). AHEAD: from block ids the kernel asks for a tile early (`ask`), so that
-// the table's round trip hides behind the tile before. Otherwise from the table at each use
-// (PagedRows::row), holding no registers through the pass.
+// the table's round trip hides behind the tile before (MatrixPartition::UNGUARDED). Otherwise
+// from the table at each use (PagedRows::row), holding no registers through the pass.
 template <int ELEMS, bool AHEAD>
 struct TileRows {
     int k, v[ELEMS];  // block ids (AHEAD)
@@ -251,7 +262,7 @@ CUPA_FN void load_v_run(const C* value_cache, const PagedRows& rows, const Rows&
                         u32 readable, int pv_t0, int col, int c0, int e, u32* raw) {
     const bool in_row = P::v_in_row(col, c0);
     const i64 row = in_row && ((readable >> e) & 1u) ? here.v_row(rows, e, pv_t0 + e) : -1;
-    fetch_run<C, P::V_GROUP, P::LOADS_AHEAD>(value_cache, row, in_row ? col * P::V_CHUNKS + c0 : 0,
+    fetch_run<C, P::V_GROUP, P::UNGUARDED>(value_cache, row, in_row ? col * P::V_CHUNKS + c0 : 0,
                                              raw);
 }
 
@@ -316,16 +327,16 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     const float qk_scale = scale * LOG2E * k_factor(kv_scales, w.kv_head);
     __syncthreads();
 
-    // The block ids of this wavefront's first tile, where the loads go ahead: each pass asks
-    // for the next tile's with its own loads.
-    TileRows<ELEMS, P::LOADS_AHEAD> ids;
-    if constexpr (P::LOADS_AHEAD) ids.ask(rows, w.start + 16 * wave, col, kgroup * ELEMS);
+    // The block ids of this wavefront's first tile, where the loads have no tests: each pass
+    // asks for the next tile's, with its own loads where they go ahead, at its end in steps.
+    TileRows<ELEMS, P::UNGUARDED> ids;
+    if constexpr (P::UNGUARDED) ids.ask(rows, w.start + 16 * wave, col, kgroup * ELEMS);
 
     for (int t0 = w.start + 16 * wave; t0 < w.end; t0 += 16 * WAVES) {
         // This tile's rows: K's (token t0 + col), and which of the PV tokens (pv_t0 + e) are
         // readable: here where V loads ahead, after S^T otherwise (earlier, RDNA3 took 8 more
         // VGPRs, an occupancy step).
-        const TileRows<ELEMS, P::LOADS_AHEAD> here = ids;
+        const TileRows<ELEMS, P::UNGUARDED> here = ids;
         const int pv_t0 = t0 + kgroup * ELEMS;
         const i64 k_row = here.k_row(rows, t0 + col);
         u32 readable = P::LOADS_AHEAD ? here.readable(rows, pv_t0) : 0u;
@@ -350,16 +361,22 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
             for (int a = 0; a < ACC; ++a) s[tile].r[a] = 0.0f;
+        // K_AT_ONCE chunks a step; in steps of 2 at heads 80 and 112 (an odd count) the last
+        // step has one (a uniform test, which folds away elsewhere).
+        constexpr int K_STEP = P::K_AT_ONCE;
+        constexpr bool K_TAIL = CHUNKS % K_STEP != 0;
 #pragma unroll(P::K_UNROLL)
-        for (int c0 = 0; c0 < CHUNKS; c0 += P::K_AT_ONCE) {
-            u32 raw[P::K_AT_ONCE][ELEMS * sizeof(C) / 4];
+        for (int c0 = 0; c0 < CHUNKS; c0 += K_STEP) {
+            u32 raw[K_STEP][ELEMS * sizeof(C) / 4];
 #pragma unroll
-            for (int b = 0; b < P::K_AT_ONCE; ++b)
-                fetch_run<C, ELEMS, P::LOADS_AHEAD>(key_cache, k_row,
-                                                    kgroup * G::K_RUN + (c0 + b) * ELEMS, raw[b]);
-            if constexpr (P::LOADS_AHEAD) schedule_fence();  // the loads above stay together
+            for (int b = 0; b < K_STEP; ++b)
+                if (!K_TAIL || c0 + b < CHUNKS)
+                    fetch_run<C, ELEMS, P::UNGUARDED>(key_cache, k_row,
+                                                      kgroup * G::K_RUN + (c0 + b) * ELEMS, raw[b]);
+            if constexpr (P::UNGUARDED) schedule_fence();  // the loads above stay together
 #pragma unroll
-            for (int b = 0; b < P::K_AT_ONCE; ++b) {
+            for (int b = 0; b < K_STEP; ++b) {
+                if (K_TAIL && c0 + b >= CHUNKS) continue;
                 AB k;
                 Widen<T, C, ELEMS>::run(raw[b], k.r);
 #pragma unroll
@@ -434,13 +451,20 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         for (int c0 = 0; c0 < V_CHUNKS; c0 += V_GROUP) {
             const bool in_row = P::v_in_row(col, c0);
             u32 wide[ELEMS][V_GROUP / 2];  // each token's run, as 16-bit pairs
+            u32 group[P::STEPPED ? ELEMS : 1][P::V_WORDS];  // in steps: the group's loads at once
+            if constexpr (P::STEPPED) {
+#pragma unroll
+                for (int e = 0; e < ELEMS; ++e)
+                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, c0, e, group[e]);
+                schedule_fence();
+            }
 #pragma unroll
             for (int e = 0; e < ELEMS; ++e) {
-                // Loaded ahead: the words as they came, those with nothing to read zeroed.
-                // Otherwise loaded here, a token at a time (the base form's registers).
+                // Loaded ahead or in steps: the words as they came, those with nothing to read
+                // zeroed. Otherwise loaded here, a token at a time (the base form's registers).
                 u32 fetched[P::V_WORDS];
-                u32* raw = P::LOADS_AHEAD ? v_raw[c0 / V_GROUP][e] : fetched;
-                if constexpr (P::LOADS_AHEAD)
+                u32* raw = P::LOADS_AHEAD ? v_raw[c0 / V_GROUP][e] : P::STEPPED ? group[e] : fetched;
+                if constexpr (P::UNGUARDED)
                     kept_or_zero<P::V_WORDS>(in_row && ((readable >> e) & 1u), raw);
                 else
                     load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, c0, e, raw);
@@ -457,6 +481,9 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                     o[tile][c0 + c] = Core::mma(v, p_op[tile], o[tile][c0 + c]);
             }
         }
+        // In steps, the next tile's block ids: asked for here, they hold no registers through
+        // the pass (asked for at its start, RDNA3 lost an occupancy step or spilled, v55).
+        if constexpr (P::STEPPED) ids.ask(rows, t0 + 16 * WAVES, col, kgroup * ELEMS);
     }
 
     // Each lane summed only its own tokens' weights.

@@ -202,7 +202,7 @@ def test_reduce_launch_forms(rng, switch, chained):
 
 @pytest.mark.parametrize("chained", ["1", "0"], ids=["chained_phase1", "ordinary_phase1"])
 @pytest.mark.parametrize("partition_size, merge", [(256, "reduce"), (256, "cluster"),
-                                                   (None, "auto"), (2048, "auto")],
+                                                   (None, "auto"), ("capacity", "auto")],
                          ids=["reduce", "cluster", "planned", "one_partition"])
 @pytest.mark.parametrize("group, row_chunks", [(8, None), (16, "never")],
                          ids=["8_columns", "16_rows"])
@@ -219,10 +219,12 @@ def test_back_to_back_runs_sharing_a_workspace(rng, switch, chained, partition_s
     switch("CUPA_CHAINED_PHASE1", chained)
     switch("CUPA_MERGE", merge)
     switch("CUPA_ROW_CHUNKS", row_chunks)
-    one_partition = partition_size == 2048  # the longest sequence's length
+    one_partition = partition_size == "capacity"
     case = make_case(rng, dtype="float16", head_size=128, block_size=16, num_kv_heads=4,
                      group=group, seq_lens=(5, 700, 1500, 2048, 0, 1023) * (12 if one_partition
                                                                               else 1))
+    if one_partition:  # the table's whole width (its spare columns too) in one partition
+        partition_size = case.block_tables.shape[1] * 16
     args, options = to_gpu(case)
     plan = cupa.plan_decode(*args, **options, partition_size=partition_size)
     variant = plan._launch_plan.variant

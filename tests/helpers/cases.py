@@ -72,7 +72,8 @@ def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_head
       `shared_blocks` (blocks repeat within and across sequences, as after fork or prefix
       sharing), else each is used once;
     - the remaining columns hold garbage ids (negative or past the cache) that must never be
-      read, and at least 3 blocks are unreached when num_blocks is not given.
+      read, and at least 3 blocks are unreached when num_blocks is not given, block 0 among
+      them (the AMD matrix kernel's loads for a token with nothing to read go there).
     `slot_owner` records which slots are which (DATA, UNREACHED or the sequence).
     """
     np_dtype = DTYPES[dtype]
@@ -106,7 +107,10 @@ def make_case(rng, *, dtype="float16", head_size=128, block_size=16, num_kv_head
     slot_owner = np.full((num_blocks, block_size), UNREACHED, np.int32)
     block_tables = rng.integers(num_blocks, 2**30, size=(num_seqs, max_blocks), dtype=np.int32)
     block_tables[:, ::2] *= -1
+    # Block 0 last: a block no sequence owns wherever one is left, so the cache's first row, which
+    # the AMD matrix kernel reads for a token with nothing to read and then drops, is poison.
     order = rng.permutation(num_blocks)
+    order = np.concatenate([order[order != 0], order[order == 0]])
     tails = iter(order[:num_tails])
     pool = order[num_tails:num_tails + pool_size]
     spare = iter(order[num_tails + pool_size:])  # fewer than num_next only for a given size

@@ -93,6 +93,47 @@ def test_a_loop_of_many_blocks():
     assert A.iteration(nest, "BB0_1", {}, 64)["valu"] == 3000
 
 
+# An inner loop rotated around a uniform test, as clang lays out the matrix kernel's S^T chunk
+# loop in steps of 2 over an odd count of chunks: BB0_3 (the second load of a step) is annotated
+# in the outer loop, yet the inner loop's latch BB0_5 goes back through it.
+ROTATED = """\
+rot:
+\ts_mov_b32 s0, 0
+.LBB0_1:                                ; =>This Loop Header: Depth=1
+                                        ;     Child Loop BB0_4 Depth 2
+\tglobal_load_b128 v[0:3], v[4:5], off
+\ts_cbranch_scc1 .LBB0_4
+.LBB0_3:                                ;   in Loop: Header=BB0_1 Depth=1
+\tglobal_load_b128 v[6:9], v[4:5], off
+.LBB0_4:                                ;   Parent Loop BB0_1 Depth=1
+                                        ; =>  This Inner Loop Header: Depth=2
+\ts_wait_loadcnt 0x0
+\tv_wmma_f32_16x16x16_f16 v[10:17], v[0:3], v[0:3], v[10:17]
+\ts_cbranch_scc0 .LBB0_6
+; %bb.5:                                ;   in Loop: Header=BB0_4 Depth=2
+\tglobal_load_b128 v[0:3], v[4:5], off
+\ts_cbranch_scc0 .LBB0_3
+\ts_branch .LBB0_4
+.LBB0_6:                                ;   in Loop: Header=BB0_1 Depth=1
+\tv_add_f32_e32 v9, v9, v9
+\ts_cbranch_scc1 .LBB0_1
+; %bb.7:
+\ts_endpgm
+.Lfunc_end0:
+"""
+
+
+def test_an_inner_loop_rotated_around_a_uniform_test():
+    """A block the annotations leave in the outer loop, entered from the inner loop's latch
+    and going only into the inner loop, counts in the inner loop's iteration."""
+    nest = A.LoopNest(A.parse_blocks(A.function_lines(ROTATED, "rot")))
+    assert nest.main_loop() == "BB0_1" and nest.children("BB0_1") == ["BB0_4"]
+    assert nest.members("BB0_4") == ["BB0_3", "BB0_4", "BB0_5"]
+    counts = A.iteration(nest, "BB0_1", {"BB0_4": 2}, 32)
+    assert counts["wmma"] == 2 and counts["valu"] == 1
+    assert counts["vmem_load"] == 1 + 2 * 2  # the pass's load, then two of each inner trip
+
+
 def test_round_trips_follow_the_waits():
     """A pass's dependent chain: serial load-wait pairs count one each, loads waited for
     together once, a load issued a pass ahead of its wait (a prefetch) nothing; gfx9's
@@ -163,16 +204,34 @@ def test_matrix_loads_go_ahead(gfx942, arch, dtype, cache):
 
 
 def test_matrix_loads_on_rdna3(gfx942):
-    """RDNA3 holds a token's whole K row a lane: at head 64 (one tile) the pass still fits the
-    registers and goes ahead, one round trip; at head 128 it does not (decode_matrix.cu's
-    AHEAD_VGPRS), and the kernel keeps the guarded loads in turn, S^T's chunk loop by 2
-    (head_size / 32 passes), with no spills and its occupancy before v54 (7)."""
+    """RDNA3 holds a token's whole K row a lane, so its three load forms (decode_matrix.cu's
+    MatrixPartition) all show there:
+    - head 64, one tile: the pass fits the registers and goes ahead, one round trip;
+    - head 128 (and 80, an odd count of chunks, with an fp8 cache): in steps, S^T's chunk
+      loop two chunks a pass (head_size / 32 passes), a few round trips, no spills;
+    - head 192: the guarded loads as before v54, the chunk loop unrolled by 2, each load its
+      own round trip."""
     need_compiler(A.offline.hip_toolchain_missing("gfx1100"))
     small = A.count_loop("matrix", DecodeMatrixVariant("float16", 64, 1), "gfx1100")
     assert small.round_trips == 1 and small.summary["scratch_bytes"] == 0
-    r = A.count_loop("matrix", DecodeMatrixVariant("float16", 128, 1), "gfx1100")
-    assert list(r.trips.values()) == [128 // 32]
-    assert r.summary["scratch_bytes"] == 0 and r.summary["occupancy"] == 7
+    for variant in (DecodeMatrixVariant("float16", 128, 1),
+                    DecodeMatrixVariant("float16", 80, 1, "fp8")):
+        r = A.count_loop("matrix", variant, "gfx1100")
+        assert list(r.trips.values()) == [variant.head_size / 32]
+        assert r.round_trips <= 8 and r.summary["scratch_bytes"] == 0, variant
+        assert r.summary["occupancy"] >= 6
+    guarded = A.count_loop("matrix", DecodeMatrixVariant("float16", 192, 1), "gfx1100")
+    assert list(guarded.trips.values()) == [192 / 32] and guarded.round_trips > 50
+
+
+def test_matrix_loads_in_steps_on_rdna4(gfx942):
+    """RDNA4's variants past the register rule for loads ahead (two tiles at 80 and 96, one at
+    192) go in steps: a few round trips a pass, no spills."""
+    need_compiler(A.offline.hip_toolchain_missing("gfx1201"))
+    for variant in (DecodeMatrixVariant("bfloat16", 96, 2), DecodeMatrixVariant("float16", 192, 1),
+                    DecodeMatrixVariant("float16", 80, 2, "fp8_amd")):
+        r = A.count_loop("matrix", variant, "gfx1201")
+        assert r.round_trips <= 10 and r.summary["scratch_bytes"] == 0, variant
 
 
 @pytest.mark.parametrize("head_size", [80, 96, 112, 192])

@@ -68,6 +68,24 @@ def test_matrix_kernel_two_row_tiles(rng, arch):
         check_result(result, case, REL_BOUND["float16"])
 
 
+# The loads in steps (decode_matrix.cu's MatrixPartition::STEPPED): RDNA3 one tile at 80 to 128
+# and two at 64, RDNA4 one tile at 192 and two at 80 and 96; at 80 and 112 an odd count of K
+# chunks ends with a step of one.
+@pytest.mark.parametrize("arch, head_size, group, fmt", [
+    ("gfx1100", 64, 32, None), ("gfx1100", 112, 8, "fp8_e4m3"), ("gfx1201", 80, 32, None),
+    ("gfx1201", 96, 32, "fp8_e4m3"), ("gfx1201", 192, 8, "fp8_e4m3fnuz")])
+def test_matrix_kernel_loads_in_steps(rng, arch, head_size, group, fmt):
+    """Tokens with nothing to read load the cache's start there and drop it: the poisoned
+    slots, the garbage block ids past each sequence and the empty sequence must not show."""
+    if fmt is not None:
+        check_fp8_case(rng, arch, fmt, head_size, group, DecodeMatrixVariant)
+        return
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
+    result = decode_on_cpu(arch, *case.args(), **case.options())
+    assert result.plan.variant == DecodeMatrixVariant("float16", head_size, 2)
+    check_result(result, case, REL_BOUND["float16"])
+
+
 @pytest.mark.parametrize("arch", TARGETS)
 def test_matrix_kernel_running_max_moves(rng, arch):
     """Logits that keep growing along the sequence: ALiBi slopes of 0.05 to 1.5 a token add
