@@ -167,20 +167,23 @@ struct MatrixPartition {
     //     accumulators, the query fragments, which the compiler keeps in registers once the
     //     chunk loop unrolls whole), K's run and V's runs as loaded. Every CDNA variant
     //     dispatch runs; RDNA4 one tile to head 128 and two at 64; RDNA3 one tile at 64.
-    //   STEPPED: where only the arrays held through the pass fit 160: no test around a load
-    //     either, but K two chunks at a time, V a group at a time after the softmax, the next
-    //     tile's block ids asked for at the end of the pass: 4-10 round trips a pass (v55:
-    //     34-120 before). RDNA3 one tile at 80 to 128 and two at 64; RDNA4 one tile at 192,
-    //     two at 80 and 96. Holding K's and V's whole runs there spilled.
-    //   otherwise (RDNA3 at 192 and 256 and two tiles at 96, RDNA4 at 256 and two tiles at
-    //     128: the stepped form spilled) as before v54, each load behind its test (fetch_run):
+    //   STEPPED: where only the arrays held through the pass fit (160; 192 for two row tiles
+    //     of RDNA4, whose operands are not replicated and whose tiles share a step's K and V
+    //     words): no test around a load either, but K two chunks at a time, V a group at a
+    //     time after the softmax, the next tile's block ids asked for at the end of the pass:
+    //     4-10 round trips a pass (v55: 22-120 before). RDNA3 one tile at 80 to 128 and two at
+    //     64; RDNA4 one tile at 192, two at 80 to 128. Holding K's and V's whole runs there
+    //     spilled.
+    //   otherwise (RDNA3 at 192 and 256 and two tiles at 96, RDNA4 at 256: the stepped form
+    //     spilled more there) as before v54, each load behind its test (fetch_run):
     //     K a chunk at a time, the chunk loop unrolled by 2, V a group at a time after the
     //     softmax.
     static constexpr int V_GROUPS = V_CHUNKS / V_GROUP;
     static constexpr int HELD_VGPRS = TILES * V_CHUNKS * G::ACC + TILES * G::CHUNKS * G::REGS;
     static constexpr int AHEAD_VGPRS = HELD_VGPRS + G::K_RUN / 2 + G::ELEMS * V_GROUPS * V_WORDS;
     static constexpr bool LOADS_AHEAD = AHEAD_VGPRS <= 160;
-    static constexpr bool STEPPED = !LOADS_AHEAD && HELD_VGPRS <= 160;
+    static constexpr int STEPPED_HELD_MAX = TILES > 1 && G::L::COPIES == 1 ? 192 : 160;
+    static constexpr bool STEPPED = !LOADS_AHEAD && HELD_VGPRS <= STEPPED_HELD_MAX;
     static constexpr bool UNGUARDED = LOADS_AHEAD || STEPPED;
     // Chunks whose K loads go together, and the chunk loop's unrolling (none in steps: unrolled
     // whole, the loop kept its query fragments in registers and spilled).

@@ -225,11 +225,12 @@ def test_matrix_loads_on_rdna3(gfx942):
 
 
 def test_matrix_loads_in_steps_on_rdna4(gfx942):
-    """RDNA4's variants past the register rule for loads ahead (two tiles at 80 and 96, one at
+    """RDNA4's variants past the register rule for loads ahead (two tiles at 80 to 128, one at
     192) go in steps: a few round trips a pass, no spills."""
     need_compiler(A.offline.hip_toolchain_missing("gfx1201"))
     for variant in (DecodeMatrixVariant("bfloat16", 96, 2), DecodeMatrixVariant("float16", 192, 1),
-                    DecodeMatrixVariant("float16", 80, 2, "fp8_amd")):
+                    DecodeMatrixVariant("float16", 80, 2, "fp8_amd"),
+                    DecodeMatrixVariant("float16", 128, 2, "fp8")):
         r = A.count_loop("matrix", variant, "gfx1201")
         assert r.round_trips <= 10 and r.summary["scratch_bytes"] == 0, variant
 
