@@ -293,15 +293,15 @@ class LoopNest:
         chunks). Such a block belongs to the inner loop's iteration; moved there, the loop's
         body without its back edges is acyclic again."""
         for header, outer in self.parent.items():
+            if outer is None:
+                continue
             inside = set(self.members(header))
+            entered = {t for m in inside for t, _ in self.blocks[m].edges}
             for name in self.order:
                 block = self.blocks[name]
-                if block.loop != outer or outer is None:
-                    continue
                 targets = [t for t, _ in block.edges]
-                entered_from_inside = any(name in (t for t, _ in self.blocks[m].edges)
-                                          for m in inside)
-                if targets and entered_from_inside and all(t in inside for t in targets):
+                if (block.loop == outer and name in entered and targets
+                        and all(t in inside for t in targets)):
                     block.loop = header
 
     def chain(self, name: str) -> list[str]:
@@ -463,15 +463,16 @@ def iteration(nest: LoopNest, header: str, trips: dict, wave: int,
     return counts
 
 
-def path_instructions(nest: LoopNest, header: str, trips: dict, wave: int) -> list:
-    """The instructions of one iteration of loop `header` on the counted path, in issue order:
-    an inner loop's own path repeated its trip count (rounded; at least once)."""
-    nodes = []
-    iteration(nest, header, trips, wave, nodes)
+def path_instructions(nest: LoopNest, header: str, nodes: list, trips: dict, wave: int) -> list:
+    """The instructions of one iteration of loop `header` on its counted path `nodes` (what
+    `iteration` collected), in issue order: an inner loop's own path repeated its trip count
+    (rounded; at least once)."""
     out = []
     for node, _ in nodes:
         if node in nest.parent and node != header:
-            out += path_instructions(nest, node, trips, wave) * max(1, round(trips[node]))
+            inner = []
+            iteration(nest, node, trips, wave, inner)
+            out += path_instructions(nest, node, inner, trips, wave) * max(1, round(trips[node]))
         else:
             out += nest.blocks[node].instructions
     return out
@@ -667,8 +668,9 @@ def count_loop(name: str, variant, arch: str, assembly: str | None = None,
         trips, share = portable_trip_counts(nest, header, variant, wave)
     else:
         trips, share = matrix_trip_counts(nest, header, variant), {}
-    counts = iteration(nest, header, trips, wave, path, share)
-    chain = round_trips(path_instructions(nest, header, trips, wave))
+    nodes = path if path is not None else []
+    counts = iteration(nest, header, trips, wave, nodes, share)
+    chain = round_trips(path_instructions(nest, header, nodes, trips, wave))
     return LoopCounts(name, variant, arch, wave, header, trips, counts,
                       tokens_per_pass(variant, wave),
                       kernel_summary(text, variant.partition_name), share, chain)
