@@ -32,8 +32,11 @@ the path a wavefront takes in the steady state of a long context:
     CDNA, 32 on RDNA); the head loop of its softmax step is split over the wavefronts, so its
     trip count is the average per wavefront (rows / wavefronts), and where the compiler made
     it an `if` (rows <= wavefronts) what the `if` holds counts as that share of a wavefront.
-    A pass of the matrix loop is one wavefront's own 16-token tile.
-KV bytes of one pass: tokens x head size x cache element bytes x 2 (K and V), for one KV head.
+    A pass of the matrix loop is one wavefront's own 16-token tile, or its half of the
+    head's columns where two wavefronts share the tile (decode_matrix.cu's SPLIT: the only
+    matrix loops with a barrier in them, the pair adding its halves of S^T through LDS).
+KV bytes of one pass: tokens x the head columns the pass reads (matrix_columns) x cache element
+bytes x 2 (K and V), for one KV head.
 Counts are reported per pass, per 16 tokens and per KV byte.
 
 Classes: valu (vector ALU, less the ones below), trans (v_exp/v_log/v_rcp/v_rsq/v_sqrt/v_sin/
@@ -581,17 +584,27 @@ def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tup
     return trips, share
 
 
-def matrix_trip_counts(nest: LoopNest, header: str, variant) -> dict:
+def matrix_columns(nest: LoopNest, header: str, variant) -> int:
+    """The head's columns one pass of the matrix tile loop reads: all of them, or half where
+    two wavefronts share a tile (decode_matrix.cu's SPLIT), which is the only matrix loop with
+    a barrier in it."""
+    shared = any(m in BARRIER_WAITS for name in nest.members(header)
+                 for m, _ in nest.blocks[name].instructions)
+    return variant.head_size // 2 if shared else variant.head_size
+
+
+def matrix_trip_counts(nest: LoopNest, header: str, columns: int) -> dict:
     """Trip counts of the matrix tile loop's inner loops: where a tile's loads do not go ahead
     (decode_matrix.cu's LOADS_AHEAD: RDNA3 above head 64, RDNA4's larger tiles) S^T's chunk
-    loop is left a loop over CHUNKS = head_size / 16 chunks: two chunks an iteration, in steps
-    (STEPPED) or unrolled by 2 (the guarded loads), so CHUNKS / 2 iterations (at 80 and 112 the
-    last holds one chunk: a half); every other loop there is unrolled."""
+    loop is left a loop over CHUNKS = columns / 16 chunks: two chunks an iteration, in steps
+    (STEPPED) or unrolled by 2 (the guarded loads), so CHUNKS / 2 iterations (at 80 and 112,
+    and 96 split in two, the last holds one chunk: a half); every other loop there is
+    unrolled."""
     children = nest.children(header)
     if not children:
         return {}
     if len(children) == 1 and not nest.children(children[0]):
-        return {children[0]: variant.head_size // 16 / 2}
+        return {children[0]: columns // 16 / 2}
     raise RuntimeError(f"matrix tile loop: unexpected inner loops {children}")
 
 
@@ -632,16 +645,19 @@ class LoopCounts:
     trips: dict
     per_pass: Counter
     tokens: int
+    columns: int  # of the head, that one pass reads (matrix_columns; the portable loop: all)
     summary: dict = field(default_factory=dict)
     share: dict = field(default_factory=dict)
     round_trips: float = 0.0  # the memory round trips a pass waits through (round_trips)
 
     @property
     def kv_bytes(self) -> int:
-        return self.tokens * self.variant.head_size * cache_bytes(self.variant) * 2
+        return self.tokens * self.columns * cache_bytes(self.variant) * 2
 
     def per_16_tokens(self) -> dict:
-        return {k: self.per_pass[k] * 16 / self.tokens for k in CLASSES + EXTRA_KEYS}
+        """Per 16 tokens of the whole head (the passes of a pair that shares a tile, summed)."""
+        passes = 16 / self.tokens * self.variant.head_size / self.columns
+        return {k: self.per_pass[k] * passes for k in CLASSES + EXTRA_KEYS}
 
     def per_kv_byte(self) -> dict:
         return {k: self.per_pass[k] / self.kv_bytes for k in CLASSES + EXTRA_KEYS}
@@ -650,7 +666,7 @@ class LoopCounts:
         return {"name": self.name, "kernel": self.variant.partition_name, "arch": self.arch,
                 "wavefront": self.wave, "loop_header": self.header,
                 "inner_loop_trips": self.trips, "wavefront_share": self.share,
-                "tokens_per_pass": self.tokens,
+                "tokens_per_pass": self.tokens, "head_columns_per_pass": self.columns,
                 "kernel_summary": self.summary, "round_trips_per_pass": self.round_trips,
                 "kv_bytes_per_pass": self.kv_bytes,
                 "per_pass": {k: self.per_pass[k] for k in CLASSES + EXTRA_KEYS},
@@ -664,15 +680,17 @@ def count_loop(name: str, variant, arch: str, assembly: str | None = None,
     text = assembly if assembly is not None else offline.assembly_for(variant, arch)
     nest = LoopNest(parse_blocks(function_lines(text, variant.partition_name)))
     header = nest.main_loop()
+    columns = variant.head_size
     if isinstance(variant, DecodeVariant):
         trips, share = portable_trip_counts(nest, header, variant, wave)
     else:
-        trips, share = matrix_trip_counts(nest, header, variant), {}
+        columns = matrix_columns(nest, header, variant)
+        trips, share = matrix_trip_counts(nest, header, columns), {}
     nodes = path if path is not None else []
     counts = iteration(nest, header, trips, wave, nodes, share)
     chain = round_trips(path_instructions(nest, header, nodes, trips, wave))
     return LoopCounts(name, variant, arch, wave, header, trips, counts,
-                      tokens_per_pass(variant, wave),
+                      tokens_per_pass(variant, wave), columns,
                       kernel_summary(text, variant.partition_name), share, chain)
 
 
@@ -760,7 +778,7 @@ def table(results: list[LoopCounts]) -> str:
              "by clang)", head]
     for r in results:
         p = r.per_16_tokens()
-        kv16 = r.kv_bytes * 16 // r.tokens
+        kv16 = r.kv_bytes * 16 * r.variant.head_size // (r.tokens * r.columns)
         per_kb = (p["valu"] + p["trans"]) * 1024 / kv16
         lines.append(f"{r.name:18} {r.arch:8} {r.tokens:8d} {kv16:8d} " +
                      " ".join(f"{p[c]:7.1f}" for c in TABLE_COLUMNS) +

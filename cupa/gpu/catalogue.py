@@ -379,13 +379,13 @@ MATRIX_DTYPES = ("float16", "bfloat16")
 MATRIX_HEAD_SIZES = SUPPORTED_HEAD_SIZES  # 80 and 112 with V^T padded to whole tile pairs
 # Row tiles (16 query rows each) per workgroup: one up to 16 rows, two above (chunks of 32),
 # except where two tiles do not fit a lane's 256 VGPRs (clang-19's code objects: heads 192 and
-# 256 everywhere, CDNA's two tiles taking 272-280 VGPRs at 192; RDNA4 at head 112, 200-264
-# bytes of spills a lane at two tiles; RDNA3 at heads 80, 112 and 128, whose replicated
-# operands spill 36-704 bytes at two tiles; RDNA3 still spills at one tile at heads 112
-# (140-208 bytes) and 256, and 32 bytes at 192; docs/performance.md).
+# 256 on CDNA, its two tiles taking 272-280 VGPRs at 192; RDNA4 at head 112, 200-264 bytes of
+# spills a lane at two tiles; RDNA3 at heads 80 and 112, whose replicated operands spill
+# 36-704 bytes at two tiles, and at 192, where not even a wavefront pair's halves fit).
+# RDNA3's two tiles at 128 and RDNA4's at 192 run as wavefront pairs since v56 (decode_matrix.cu's
+# SPLIT: 4-9 round trips a tile, no spill; docs/perf-log.md v56). 256 has no two-tile variant.
 MATRIX_TILES = (1, 2)
-ONE_TILE_HEAD_SIZES = {"cdna": (192, 256), "rdna4": (112, 192, 256),
-                       "rdna3": (80, 112, 128, 192, 256)}
+ONE_TILE_HEAD_SIZES = {"cdna": (192, 256), "rdna4": (112, 256), "rdna3": (80, 112, 192, 256)}
 
 
 def matrix_core_family(arch: str) -> str | None:

@@ -6,7 +6,8 @@
 //
 // One workgroup per (row chunk of a KV head, partition, sequence), as every family
 // (begin_partition): TILES 16-row tiles of query rows (GQA heads x new tokens). Each wavefront
-// takes every WAVES-th 16-token tile of the partition and computes, for each row tile,
+// (or pair of wavefronts, each with half of the head's columns: MatrixPartition::SPLIT) takes
+// every WAVES-th (PAIRS-th) 16-token tile of the partition and computes, for each row tile,
 //   S^T  = K Q^T       A = K    (16 tokens x 16 d),  B = Q^T (16 d x 16 query rows)
 //   O^T += V^T P^T     A = V^T  (16 d x 16 tokens),  B = P^T (16 tokens x 16 query rows)
 // so the query rows are the instruction's columns: a lane's query row is lane % 16 in both
@@ -134,11 +135,30 @@ CUPA_FN u32 half_of(const u32* words, int i) { return (words[i / 2] >> (16 * (i 
 
 template <typename T, typename C, int D, int TILES>
 struct MatrixPartition {
-    typedef MatrixTile<T, D> G;
+    // The VGPRs a lane holds through a pass where a wavefront's tile spans d columns of the
+    // head: O^T's accumulators (V_CHUNKS below) and the query fragments. The layout's counts
+    // a lane holds do not depend on d (MatrixTile<T, 16>).
+    typedef MatrixTile<T, 16> Unit;
+    static constexpr int held_vgprs(int d) {
+        return TILES * ((d / 16 + 1) / 2 * 2) * Unit::ACC + TILES * (d / 16) * Unit::REGS;
+    }
+    static constexpr int STEPPED_HELD_MAX = TILES > 1 && Unit::L::COPIES == 1 ? 192 : 160;
+    // Wavefronts that share a tile, each with D / SPLIT of the head's columns: 2 where the
+    // whole head's held arrays pass STEPPED_HELD_MAX and half of them do not (RDNA3 one tile
+    // at 192 and 256 and two at 96 and 128, RDNA4 one at 256 and two at 192; docs/perf-log.md
+    // v56). A wavefront of a pair reads only its half of each K and V row, sums S^T over its
+    // half of d, and the pair adds its two halves through LDS (one barrier a tile); then both
+    // run the same softmax and each accumulates its half of O^T. Everywhere else 1: a
+    // wavefront a tile, as before.
+    static constexpr int SPLIT = held_vgprs(D) > STEPPED_HELD_MAX && D % 32 == 0 &&
+                                 held_vgprs(D / 2) <= STEPPED_HELD_MAX ? 2 : 1;
+    static constexpr int DH = D / SPLIT;  // a wavefront's columns of the head
+    typedef MatrixTile<T, DH> G;
     typedef typename G::Core Core;
     typedef typename G::AB AB;
     typedef typename G::Acc Acc;
     static constexpr int WAVES = CUPA_THREADS / CUPA_WARP;
+    static constexpr int PAIRS = WAVES / SPLIT;  // tiles a workgroup runs at once
     // O^T's 16-row tiles of d: D / 16, made even so that V runs are whole 16-bit pairs.
     static constexpr int V_CHUNKS = (G::CHUNKS + 1) / 2 * 2;
     // PV reads V in groups of chunks, each token's run of a group in one load, with at most 32
@@ -155,34 +175,37 @@ struct MatrixPartition {
         return 0;
     }
     static constexpr int V_GROUP = v_group();
-    static_assert(V_GROUP > 0 && D % V_GROUP == 0, "V runs wholly inside or past the row");
+    static_assert(V_GROUP > 0 && DH % V_GROUP == 0, "V runs wholly inside or past the row");
     static constexpr int V_WORDS = (V_GROUP * (int)sizeof(C) + 3) / 4;  // a token's run, loaded
-    // Whether group c0's columns of a lane are in the row (not so at heads 80 and 112 only).
-    CUPA_FN static bool v_in_row(int col, int c0) { return V_CHUNKS * 16 == D || col * V_CHUNKS + c0 < D; }
-    // How a tile's loads go, by the registers they would hold (VGPRs of a wavefront's 256;
-    // the limits are the most that did not spill with clang-19, docs/perf-log.md v54, v55):
+    // Whether group c0's columns of a lane are in its DH columns of the row (not so at heads
+    // 80 and 112, and at 96 split in two).
+    CUPA_FN static bool v_in_row(int col, int c0) { return V_CHUNKS * 16 == DH || col * V_CHUNKS + c0 < DH; }
+    // How a tile's loads go, by the registers they would hold (VGPRs of a wavefront's 256,
+    // for its DH columns; the limits are the most that did not spill with clang-19,
+    // docs/perf-log.md v54 to v56):
     //   LOADS_AHEAD: all issued before the first MMA (K's whole run, V's groups, the next
     //     tile's block ids), so that a pass waits through one memory round trip (v54: 18 on
     //     gfx942 before). Where the pass's arrays fit 160: those held through it (O^T's
     //     accumulators, the query fragments, which the compiler keeps in registers once the
     //     chunk loop unrolls whole), K's run and V's runs as loaded. Every CDNA variant
-    //     dispatch runs; RDNA4 one tile to head 128 and two at 64; RDNA3 one tile at 64.
+    //     dispatch runs; RDNA4 one tile to head 128 (and 256, split) and two at 64; RDNA3 one
+    //     tile at 64 (and two at 96 with an fp8 cache, split).
     //   STEPPED: where only the arrays held through the pass fit (160; 192 for two row tiles
     //     of RDNA4, whose operands are not replicated and whose tiles share a step's K and V
     //     words): no test around a load either, but K two chunks at a time, V a group at a
     //     time after the softmax, the next tile's block ids asked for at the end of the pass:
-    //     4-10 round trips a pass (v55: 22-120 before). RDNA3 one tile at 80 to 128 and two at
-    //     64; RDNA4 one tile at 192, two at 80 to 128. Holding K's and V's whole runs there
-    //     spilled.
-    //   otherwise (RDNA3 at 192 and 256 and two tiles at 96, RDNA4 at 256: the stepped form
-    //     spilled more there) as before v54, each load behind its test (fetch_run):
-    //     K a chunk at a time, the chunk loop unrolled by 2, V a group at a time after the
-    //     softmax.
+    //     4-10 round trips a pass (v55: 22-120 before). RDNA3 one tile at 80 to 128 (and 192
+    //     and 256, split) and two at 64 (and 96 with a 16-bit cache, and 128, split); RDNA4
+    //     one tile at 192, two at 80 to 128 (and 192, split). Holding K's and V's whole runs
+    //     there spilled.
+    //   otherwise (no variant dispatch runs since v56; e.g. RDNA3's two tiles at 192) as
+    //     before v54, each load behind its test (fetch_run): K a chunk at a time, the chunk
+    //     loop unrolled by 2, V a group at a time after the softmax.
     static constexpr int V_GROUPS = V_CHUNKS / V_GROUP;
-    static constexpr int HELD_VGPRS = TILES * V_CHUNKS * G::ACC + TILES * G::CHUNKS * G::REGS;
+    static constexpr int HELD_VGPRS = held_vgprs(DH);
+    static_assert(HELD_VGPRS == TILES * V_CHUNKS * G::ACC + TILES * G::CHUNKS * G::REGS, "held");
     static constexpr int AHEAD_VGPRS = HELD_VGPRS + G::K_RUN / 2 + G::ELEMS * V_GROUPS * V_WORDS;
     static constexpr bool LOADS_AHEAD = AHEAD_VGPRS <= 160;
-    static constexpr int STEPPED_HELD_MAX = TILES > 1 && G::L::COPIES == 1 ? 192 : 160;
     static constexpr bool STEPPED = !LOADS_AHEAD && HELD_VGPRS <= STEPPED_HELD_MAX;
     static constexpr bool UNGUARDED = LOADS_AHEAD || STEPPED;
     // Chunks whose K loads go together, and the chunk loop's unrolling (none in steps: unrolled
@@ -193,12 +216,17 @@ struct MatrixPartition {
     // ahead. Elsewhere the branch around the rescale cost registers there are not (on RDNA3
     // at head 128: 17 more VGPRs, a spill with an fp8 cache); there the max moves every tile.
     static constexpr bool LAZY = LOADS_AHEAD;
-    // LDS words: the query fragments during the loop ([tile][chunk][register][lane]), then
-    // the merge slots of half the wavefronts ([accumulator][lane], then max and sum by lane).
-    static constexpr int Q_WORDS = TILES * G::CHUNKS * G::REGS * CUPA_WARP;
+    // LDS words: during the loop the query fragments of each half ([half][tile][chunk]
+    // [register][lane]) and, where a pair shares a tile, the halves of S^T it adds (two sets,
+    // by the tile's parity, so that one barrier a tile suffices: [parity][wave][tile]
+    // [accumulator][lane]); then the merge slots of half the wavefronts ([accumulator][lane],
+    // then max and sum by lane).
+    static constexpr int WAVE_Q_WORDS = TILES * G::CHUNKS * G::REGS * CUPA_WARP;  // a half's
+    static constexpr int Q_WORDS = SPLIT * WAVE_Q_WORDS;
+    static constexpr int S_WORDS = SPLIT > 1 ? 2 * WAVES * TILES * G::ACC * CUPA_WARP : 0;
     static constexpr int SLOT_WORDS = (V_CHUNKS * G::ACC + 2) * CUPA_WARP;
     static constexpr int MERGE_WORDS = (WAVES / 2) * SLOT_WORDS;
-    static constexpr int LDS_WORDS = Q_WORDS > MERGE_WORDS ? Q_WORDS : MERGE_WORDS;
+    static constexpr int LDS_WORDS = Q_WORDS + S_WORDS > MERGE_WORDS ? Q_WORDS + S_WORDS : MERGE_WORDS;
 };
 
 // The max of a query row's logits over the lanes that hold its tokens: lane ^ 16, ^ 32 (the
@@ -258,15 +286,15 @@ struct TileRows {
 };
 
 // V's chunks c0 .. c0 + V_GROUP - 1 of PV token e of a lane, if readable: a run of V_GROUP
-// elements of the token's row at column col * V_CHUNKS + c0 (fetch_run; none for columns
-// past the row, at heads 80 and 112).
+// elements of the token's row at column d_base + col * V_CHUNKS + c0 (fetch_run; none for
+// columns past the wavefront's DH, at heads 80 and 112 and at 96 split in two).
 template <typename P, typename C, typename Rows>
 CUPA_FN void load_v_run(const C* value_cache, const PagedRows& rows, const Rows& here,
-                        u32 readable, int pv_t0, int col, int c0, int e, u32* raw) {
+                        u32 readable, int pv_t0, int d_base, int col, int c0, int e, u32* raw) {
     const bool in_row = P::v_in_row(col, c0);
     const i64 row = in_row && ((readable >> e) & 1u) ? here.v_row(rows, e, pv_t0 + e) : -1;
-    fetch_run<C, P::V_GROUP, P::UNGUARDED>(value_cache, row, in_row ? col * P::V_CHUNKS + c0 : 0,
-                                             raw);
+    fetch_run<C, P::V_GROUP, P::UNGUARDED>(
+        value_cache, row, in_row ? d_base + col * P::V_CHUNKS + c0 : 0, raw);
 }
 
 template <typename T, typename C, int D, int TILES>
@@ -278,7 +306,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     typedef typename P::Core Core;
     typedef typename G::L L;
     constexpr int CHUNKS = G::CHUNKS, ELEMS = G::ELEMS, REGS = G::REGS, ACC = G::ACC;
-    constexpr int WAVES = P::WAVES, V_GROUP = P::V_GROUP, V_CHUNKS = P::V_CHUNKS;
+    constexpr int WAVES = P::WAVES, PAIRS = P::PAIRS, SPLIT = P::SPLIT, DH = P::DH;
+    constexpr int V_GROUP = P::V_GROUP, V_CHUNKS = P::V_CHUNKS;
     G::check();
     static_assert(sizeof(T) == 2 && (sizeof(C) == 2 || sizeof(C) == 1), "16-bit or fp8 cache");
     static_assert(P::V_GROUP % 2 == 0, "V runs of whole 16-bit pairs");
@@ -296,17 +325,24 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                                       kv_token_stride);
     const int tid = threadIdx.x, wave = tid / CUPA_WARP, lane = tid % CUPA_WARP;
     const int col = lane % 16, kgroup = G::kgroup(lane);
+    // The tile stream this wavefront is in, and its columns of the head (P::SPLIT).
+    const int pair = wave / SPLIT, half = wave % SPLIT, d_base = half * DH;
 
-    // The query fragments (B of S^T), unscaled: lane l of a tile holds row l % 16's run.
-    for (int i = tid; i < TILES * CUPA_WARP; i += CUPA_THREADS) {
-        const int tile = i / CUPA_WARP, l = i % CUPA_WARP, r = 16 * tile + l % 16;
+    // The query fragments (B of S^T) of each half, unscaled: lane l of a tile holds row
+    // l % 16's run.
+    for (int i = tid; i < SPLIT * TILES * CUPA_WARP; i += CUPA_THREADS) {
+        const int h = SPLIT > 1 ? i / (TILES * CUPA_WARP) : 0;
+        const int tile = SPLIT > 1 ? i / CUPA_WARP % TILES : i / CUPA_WARP;
+        const int l = i % CUPA_WARP, r = 16 * tile + l % 16;
         const u32* q = r < w.nh ? reinterpret_cast<const u32*>(query + w.row_index(r) * D +
-                                                               G::kgroup(l) * G::K_RUN)
+                                                               h * DH + G::kgroup(l) * G::K_RUN)
                                 : nullptr;
+        u32* q_lds = lds + h * P::WAVE_Q_WORDS;
 #pragma unroll
         for (int j = 0; j < CHUNKS * REGS; ++j)
-            lds[(tile * CHUNKS * REGS + j) * CUPA_WARP + l] = q != nullptr ? q[j] : 0u;
+            q_lds[(tile * CHUNKS * REGS + j) * CUPA_WARP + l] = q != nullptr ? q[j] : 0u;
     }
+    const u32* q_frags = lds + half * P::WAVE_Q_WORDS;  // this wavefront's half
 
     // This lane's query row of each tile: causal range, ALiBi slope, running max and sum.
     int first[TILES], pos[TILES];
@@ -333,9 +369,13 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
     // The block ids of this wavefront's first tile, where the loads have no tests: each pass
     // asks for the next tile's, with its own loads where they go ahead, at its end in steps.
     TileRows<ELEMS, P::UNGUARDED> ids;
-    if constexpr (P::UNGUARDED) ids.ask(rows, w.start + 16 * wave, col, kgroup * ELEMS);
+    if constexpr (P::UNGUARDED) ids.ask(rows, w.start + 16 * pair, col, kgroup * ELEMS);
 
-    for (int t0 = w.start + 16 * wave; t0 < w.end; t0 += 16 * WAVES) {
+    // Where a pair shares a tile, every wavefront runs as many passes as the first pair (a
+    // barrier a pass): a tile at or past the end has nothing readable, and adds nothing.
+    int parity = 0;  // which of the two sets of S^T's halves this pass uses (P::S_WORDS)
+    for (int t0 = w.start + 16 * pair; SPLIT > 1 ? t0 - 16 * pair < w.end : t0 < w.end;
+         t0 += 16 * PAIRS) {
         // This tile's rows: K's (token t0 + col), and which of the PV tokens (pv_t0 + e) are
         // readable: here where V loads ahead, after S^T otherwise (earlier, RDNA3 took 8 more
         // VGPRs, an occupancy step).
@@ -354,8 +394,9 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             for (int g = 0; g < P::V_GROUPS; ++g)
 #pragma unroll
                 for (int e = 0; e < ELEMS; ++e)
-                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, g * V_GROUP, e, v_raw[g][e]);
-            ids.ask(rows, t0 + 16 * WAVES, col, kgroup * ELEMS);
+                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, d_base, col,
+                                  g * V_GROUP, e, v_raw[g][e]);
+            ids.ask(rows, t0 + 16 * PAIRS, col, kgroup * ELEMS);
         }
 
         // S^T = K Q^T for every row tile; this lane's K row is token t0 + col.
@@ -374,8 +415,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
 #pragma unroll
             for (int b = 0; b < K_STEP; ++b)
                 if (!K_TAIL || c0 + b < CHUNKS)
-                    fetch_run<C, ELEMS, P::UNGUARDED>(key_cache, k_row,
-                                                      kgroup * G::K_RUN + (c0 + b) * ELEMS, raw[b]);
+                    fetch_run<C, ELEMS, P::UNGUARDED>(
+                        key_cache, k_row, d_base + kgroup * G::K_RUN + (c0 + b) * ELEMS, raw[b]);
             if constexpr (P::UNGUARDED) schedule_fence();  // the loads above stay together
 #pragma unroll
             for (int b = 0; b < K_STEP; ++b) {
@@ -387,10 +428,30 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                     AB q;
 #pragma unroll
                     for (int j = 0; j < REGS; ++j)
-                        q.r[j] = lds[((tile * CHUNKS + c0 + b) * REGS + j) * CUPA_WARP + lane];
+                        q.r[j] = q_frags[((tile * CHUNKS + c0 + b) * REGS + j) * CUPA_WARP + lane];
                     s[tile] = Core::mma(k, q, s[tile]);
                 }
             }
+        }
+
+        // A pair's S^T: each wavefront's half of the sum over d, added through LDS. a + b and
+        // b + a are the same float, so both run the same softmax to the bit (and write the
+        // same max and sum).
+        if constexpr (SPLIT > 1) {
+            float* halves = reinterpret_cast<float*>(lds + P::Q_WORDS) +
+                            parity * WAVES * TILES * ACC * CUPA_WARP;
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                for (int a = 0; a < ACC; ++a)
+                    halves[((wave * TILES + tile) * ACC + a) * CUPA_WARP + lane] = s[tile].r[a];
+            __syncthreads();
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                for (int a = 0; a < ACC; ++a)
+                    s[tile].r[a] += halves[(((wave ^ 1) * TILES + tile) * ACC + a) * CUPA_WARP + lane];
+            parity ^= 1;
         }
 
         if constexpr (!P::LOADS_AHEAD) readable = here.readable(rows, pv_t0);
@@ -458,7 +519,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             if constexpr (P::STEPPED) {
 #pragma unroll
                 for (int e = 0; e < ELEMS; ++e)
-                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, c0, e, group[e]);
+                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, d_base, col, c0, e,
+                                  group[e]);
                 schedule_fence();
             }
 #pragma unroll
@@ -470,7 +532,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                 if constexpr (P::UNGUARDED)
                     kept_or_zero<P::V_WORDS>(in_row && ((readable >> e) & 1u), raw);
                 else
-                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, col, c0, e, raw);
+                    load_v_run<P>(value_cache, rows, here, readable, pv_t0, d_base, col, c0, e,
+                                  raw);
                 Widen<T, C, V_GROUP>::run(raw, wide[e]);
             }
 #pragma unroll
@@ -486,7 +549,7 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
         }
         // In steps, the next tile's block ids: asked for here, they hold no registers through
         // the pass (asked for at its start, RDNA3 lost an occupancy step or spilled, v55).
-        if constexpr (P::STEPPED) ids.ask(rows, t0 + 16 * WAVES, col, kgroup * ELEMS);
+        if constexpr (P::STEPPED) ids.ask(rows, t0 + 16 * PAIRS, col, kgroup * ELEMS);
     }
 
     // Each lane summed only its own tokens' weights.
@@ -495,15 +558,16 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
 #pragma unroll
         for (int m = 16; m < CUPA_WARP; m <<= 1) l_run[tile] += warp_xor(l_run[tile], m);
 
-    // Merge the wavefronts, a tree through LDS: the upper half writes, the lower half adds.
+    // Merge the tile streams, a tree through LDS: the upper half writes, the lower half adds
+    // (each wavefront of a pair with the same half of the columns in the other pairs).
     __syncthreads();  // the query fragments are read no more
     float* slots = reinterpret_cast<float*>(lds);
 #pragma unroll
     for (int tile = 0; tile < TILES; ++tile) {
 #pragma unroll
-        for (int half = WAVES / 2; half >= 1; half /= 2) {
-            if (wave >= half && wave < 2 * half) {
-                float* slot = slots + (wave - half) * P::SLOT_WORDS;
+        for (int span = PAIRS / 2; span >= 1; span /= 2) {
+            if (pair >= span && pair < 2 * span) {
+                float* slot = slots + ((pair - span) * SPLIT + half) * P::SLOT_WORDS;
 #pragma unroll
                 for (int c = 0; c < V_CHUNKS; ++c)
 #pragma unroll
@@ -512,8 +576,8 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
                 slot[(V_CHUNKS * ACC + 1) * CUPA_WARP + lane] = l_run[tile];
             }
             __syncthreads();
-            if (wave < half) {
-                const float* slot = slots + wave * P::SLOT_WORDS;
+            if (pair < span) {
+                const float* slot = slots + (pair * SPLIT + half) * P::SLOT_WORDS;
                 const float m_other = slot[V_CHUNKS * ACC * CUPA_WARP + lane];
                 const float l_other = slot[(V_CHUNKS * ACC + 1) * CUPA_WARP + lane];
                 const float m_new = max_f(m_run[tile], m_other);
@@ -531,10 +595,11 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             __syncthreads();
         }
     }
-    if (wave != 0) return;
+    if (pair != 0) return;
 
-    // Wavefront 0 writes: O^T's accumulator a of chunk c is row col's column
-    // d_row(lane, a) * V_CHUNKS + c (none past D).
+    // The first pair writes (one wavefront, unless split): O^T's accumulator a of chunk c is
+    // row col's column d_base + d_row(lane, a) * V_CHUNKS + c (none past the wavefront's DH).
+    // The halves of a pair hold the same max and sum: the first writes them.
     const float v_scale = v_factor(kv_scales, w.kv_head, num_kv_heads);
     const bool single = w.writes_output;
 #pragma unroll
@@ -550,17 +615,17 @@ CUPA_FN void decode_partition_matrix(CUPA_PARTITION_PARAMS(T, C)) {
             const int d0 = L::d_row(lane, a) * V_CHUNKS;
 #pragma unroll
             for (int c = 0; c < V_CHUNKS; ++c) {
-                if constexpr (V_CHUNKS * 16 != D) {
-                    if (d0 + c >= D) continue;  // a padded column (heads 80, 112)
+                if constexpr (V_CHUNKS * 16 != DH) {
+                    if (d0 + c >= DH) continue;  // a padded column (heads 80, 112; 96 split)
                 }
                 const float value = o[tile][c].r[a] * factor;
                 if (single)
-                    Elem<T>::store(out + head * D + d0 + c, value);
+                    Elem<T>::store(out + head * D + d_base + d0 + c, value);
                 else
-                    part_acc[(head * max_partitions + w.part) * D + d0 + c] = value;
+                    part_acc[(head * max_partitions + w.part) * D + d_base + d0 + c] = value;
             }
         }
-        if (lane < 16) {
+        if (lane < 16 && half == 0) {
             if (single) {
                 if (lse != nullptr) lse[head] = lse_value;
             } else {

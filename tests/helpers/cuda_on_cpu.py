@@ -194,19 +194,26 @@ static char* thread_stacks(size_t bytes) {
 // "reverse", or a number that seeds a fresh random order for every pass. Between two barriers
 // the threads' segments run one after another in that order, so a kernel whose results change
 // with the order reads what another thread writes without a barrier between: a race.
+// A warp's shuffles are barriers of its own, which cut every thread's segment at the same
+// places; "ahead" (or "ahead-reverse") lets one warp run on through them instead: each pass
+// runs only the first thread that can run, by index (or from the last), so the first warp
+// reaches the next workgroup barrier before the next warp starts. That shows what a warp
+// running ahead of the others does, e.g. overwriting what they have yet to read.
 static unsigned long long schedule_state;
-static int schedule_mode;  // 0 by index, 1 reversed, 2 random
+static int schedule_mode;  // 0 by index, 1 reversed, 2 random, 3 ahead, 4 ahead from the last
 static void read_schedule() {
     const char* value = getenv("CUPA_CPU_SCHEDULE");
     schedule_mode = 0;
     if (value == nullptr || *value == 0) return;
     if (strcmp(value, "reverse") == 0) { schedule_mode = 1; return; }
+    if (strcmp(value, "ahead") == 0) { schedule_mode = 3; return; }
+    if (strcmp(value, "ahead-reverse") == 0) { schedule_mode = 4; return; }
     schedule_mode = 2;
     schedule_state = strtoull(value, nullptr, 10) * 2654435761ULL + 1;
 }
 static void schedule_order(std::vector<unsigned>& order) {
     for (unsigned t = 0; t < order.size(); ++t) order[t] = t;
-    if (schedule_mode == 1) std::reverse(order.begin(), order.end());
+    if (schedule_mode == 1 || schedule_mode == 4) std::reverse(order.begin(), order.end());
     if (schedule_mode == 2)
         for (size_t i = order.size(); i > 1; --i) {  // Fisher-Yates by a 64-bit LCG
             schedule_state = schedule_state * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -257,6 +264,7 @@ template <typename F> static void launch(Dim3 grid, unsigned block, Dim3 cluster
                 blockIdx.z = z + rank / (cluster.x * cluster.y);
                 swapcontext(&scheduler, &contexts[t]);
                 ran = true;
+                if (schedule_mode >= 3) break;  // "ahead": one thread a pass
             }
             for (unsigned t = 0; t < threads; ++t) live = live || !finished[t];
             if (!live) break;

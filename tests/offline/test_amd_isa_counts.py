@@ -209,8 +209,8 @@ def test_matrix_loads_on_rdna3(gfx942):
     - head 64, one tile: the pass fits the registers and goes ahead, one round trip;
     - head 128 (and 80, an odd count of chunks, with an fp8 cache): in steps, S^T's chunk
       loop two chunks a pass (head_size / 32 passes), a few round trips, no spills;
-    - head 192: the guarded loads as before v54, the chunk loop unrolled by 2, each load its
-      own round trip."""
+    - two tiles at head 192 (which dispatch never picks there: one tile at 192): the guarded
+      loads as before v54, the chunk loop unrolled by 2, each load its own round trip."""
     need_compiler(A.offline.hip_toolchain_missing("gfx1100"))
     small = A.count_loop("matrix", DecodeMatrixVariant("float16", 64, 1), "gfx1100")
     assert small.round_trips == 1 and small.summary["scratch_bytes"] == 0
@@ -219,8 +219,8 @@ def test_matrix_loads_on_rdna3(gfx942):
         r = A.count_loop("matrix", variant, "gfx1100")
         assert list(r.trips.values()) == [variant.head_size / 32]
         assert r.round_trips <= 8 and r.summary["scratch_bytes"] == 0, variant
-        assert r.summary["occupancy"] >= 6
-    guarded = A.count_loop("matrix", DecodeMatrixVariant("float16", 192, 1), "gfx1100")
+        assert r.summary["occupancy"] >= 6 and r.columns == variant.head_size
+    guarded = A.count_loop("matrix", DecodeMatrixVariant("float16", 192, 2), "gfx1100")
     assert list(guarded.trips.values()) == [192 / 32] and guarded.round_trips > 50
 
 
@@ -233,6 +233,30 @@ def test_matrix_loads_in_steps_on_rdna4(gfx942):
                     DecodeMatrixVariant("float16", 128, 2, "fp8")):
         r = A.count_loop("matrix", variant, "gfx1201")
         assert r.round_trips <= 10 and r.summary["scratch_bytes"] == 0, variant
+
+
+@pytest.mark.parametrize("arch, variant, scratch", [
+    ("gfx1100", DecodeMatrixVariant("float16", 192, 1), 0),
+    ("gfx1100", DecodeMatrixVariant("bfloat16", 256, 1), 0),
+    ("gfx1100", DecodeMatrixVariant("float16", 256, 1, "fp8"), 0),
+    ("gfx1100", DecodeMatrixVariant("float16", 96, 2), 12),
+    ("gfx1100", DecodeMatrixVariant("float16", 128, 2), 0),
+    ("gfx1201", DecodeMatrixVariant("float16", 256, 1, "fp8_amd"), 0),
+    ("gfx1201", DecodeMatrixVariant("float16", 192, 2, "fp8_amd"), 0)])
+def test_matrix_pairs_share_a_tile(gfx942, arch, variant, scratch):
+    """Where even a whole head's held arrays pass the registers (decode_matrix.cu's SPLIT:
+    RDNA3 one tile at 192 and 256 and two at 96 and 128, RDNA4 one at 256 and two at 192) two
+    wavefronts share a tile: the loop has a barrier (the pair adds its halves of S^T), a pass
+    reads half the head's columns, in steps or ahead, a few round trips (34-372 before v56)
+    and no more than a few bytes of spill (28-800 a lane before at one tile; two tiles at 96
+    spill 8-20 now)."""
+    need_compiler(A.offline.hip_toolchain_missing(arch))
+    r = A.count_loop("matrix", variant, arch)
+    assert r.columns == variant.head_size // 2 and r.per_pass["barrier"] >= 1
+    assert r.kv_bytes == 16 * variant.head_size // 2 * A.cache_bytes(variant) * 2
+    assert r.round_trips <= 9 and r.summary["scratch_bytes"] <= scratch, variant
+    whole = 16 * variant.head_size * A.cache_bytes(variant) * 2
+    assert r.per_16_tokens()["vmem_load_bytes"] >= whole  # both halves of every row are read
 
 
 @pytest.mark.parametrize("head_size", [80, 96, 112, 192])

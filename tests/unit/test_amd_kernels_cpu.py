@@ -87,6 +87,40 @@ def test_matrix_kernel_loads_in_steps(rng, arch, head_size, group, fmt):
     check_result(result, case, REL_BOUND["float16"])
 
 
+# Two wavefronts a tile, each with half the head's columns (decode_matrix.cu's
+# MatrixPartition::SPLIT): RDNA3 one tile at 192 and 256 and two at 96 and 128, RDNA4 one at
+# 256 and two at 192. At 96 a half is 3 chunks of 16 columns, padded to 4 for V. In 64-token
+# partitions each of the two pairs runs two tiles; in the planner's, a short sequence leaves
+# the second pair passes with nothing to read, which must still meet the first pair at every
+# barrier.
+@pytest.mark.parametrize("arch, head_size, group", [
+    ("gfx1100", 192, 8), ("gfx1100", 256, 4), ("gfx1100", 96, 32), ("gfx1100", 128, 32),
+    ("gfx1201", 256, 8), ("gfx1201", 192, 32)])
+@pytest.mark.parametrize("partition_size", [None, 64])
+def test_matrix_kernel_wavefront_pairs(rng, arch, head_size, group, partition_size):
+    case = make_case(rng, head_size=head_size, num_kv_heads=2, group=group, seq_lens=LENGTHS)
+    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=partition_size)
+    assert result.plan.variant == DecodeMatrixVariant("float16", head_size, 2 if group > 16 else 1)
+    check_result(result, case, REL_BOUND["float16"])
+
+
+@pytest.mark.parametrize("arch, fmt", [("gfx1100", "fp8_e4m3"), ("gfx1201", "fp8_e4m3")])
+def test_matrix_kernel_wavefront_pairs_fp8(rng, arch, fmt):
+    """Head 256 over fp8 caches (gfx1201's widened by v_cvt_pk_f32_fp8), a pair a tile."""
+    check_fp8_case(rng, arch, fmt, 256, 8, DecodeMatrixVariant)
+
+
+@pytest.mark.parametrize("arch", ["gfx1100", "gfx1201"])
+def test_matrix_kernel_wavefront_pairs_options(rng, arch):
+    """A sliding window, ALiBi, a soft cap and sinks at head 256: both wavefronts of a pair
+    must mask, cap and weigh each logit alike, as each applies them to the S^T they share."""
+    case = make_case(rng, head_size=256, num_kv_heads=2, group=4, seq_lens=(1, 37, 300),
+                     alibi=True, sliding_window=70, logits_soft_cap=20.0, sinks=True)
+    result = decode_on_cpu(arch, *case.args(), **case.options(), partition_size=64)
+    assert result.plan.variant == DecodeMatrixVariant("float16", 256, 1)
+    check_result(result, case, REL_BOUND["float16"])
+
+
 @pytest.mark.parametrize("arch", TARGETS)
 def test_matrix_kernel_running_max_moves(rng, arch):
     """Logits that keep growing along the sequence: ALiBi slopes of 0.05 to 1.5 a token add

@@ -1,7 +1,7 @@
 """Races in the kernels, found on the CPU build (tests/helpers/decode_on_cpu.py): the same decode
-run with its threads scheduled by index, reversed and in two random orders
-(CUPA_CPU_SCHEDULE, tests/helpers/cuda_on_cpu.py) must give bit-identical outputs and
-log-sum-exps.
+run with its threads scheduled by index, reversed, in two random orders, and with the first
+(or last) warp running ahead to each workgroup barrier (CUPA_CPU_SCHEDULE,
+tests/helpers/cuda_on_cpu.py) must give bit-identical outputs and log-sum-exps.
 
 Between two barriers the runner runs each thread's segment whole, one thread after another, in
 the order of the schedule; a thread's own arithmetic does not depend on it. So a result that
@@ -24,7 +24,8 @@ from decode_on_cpu import decode_on_cpu
 pytestmark = pytest.mark.skipif(compiler_missing() is not None,
                                 reason=compiler_missing() or "")
 
-SCHEDULES = ("", "reverse", "7", "12345")  # by index, reversed, two random seeds
+SCHEDULES = ("", "reverse", "7", "12345", "ahead", "ahead-reverse")  # by index, reversed, two
+# random seeds, a warp ahead
 # (target, problem, kernel, merge): each target's matrix- or tensor-core kernel and the portable
 # one, phase 1 and the reduce (64-token partitions), sm_90's cluster merge.
 CASES = [
@@ -35,6 +36,9 @@ CASES = [
     ("gfx90a", dict(head_size=256, group=32), "auto", "auto"),
     ("gfx1201", dict(head_size=96, group=1, alibi=True, sliding_window=50, sinks=True), "auto",
      "auto"),
+    # two wavefronts a tile, adding their halves of S^T through LDS every pass
+    ("gfx1100", dict(head_size=256, group=8), "auto", "auto"),
+    ("gfx1100", dict(head_size=96, group=32), "auto", "auto"),
     ("sm_90", dict(head_size=128, group=8), "auto", "auto"),
     ("sm_90", dict(head_size=128, group=8, logits_soft_cap=30.0), "auto", "cluster"),
     ("sm_90", dict(head_size=64, group=16), "auto", "auto"),
