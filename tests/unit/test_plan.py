@@ -31,7 +31,10 @@ def shape(batch=1, seq_len=4096, heads=64, kv_heads=8, head_size=128, block_size
     ("bfloat16", 64, 1, "gfx90a", "cupa_decode_xmma1_bf16_d64"),  # MHA: one padded tile
     ("float16", 128, 32, "gfx942", "cupa_decode_xmma2_f16_d128"),  # two 16-row tiles
     ("float16", 128, 32, "gfx1201", "cupa_decode_xmma2_f16_d128"),
-    ("float16", 128, 32, "gfx1100", "cupa_decode_xmma1_f16_d128"),  # RDNA3: one at head 128
+    ("float16", 128, 32, "gfx1100", "cupa_decode_xmma2_f16_d128"),  # RDNA3: a wavefront pair
+    ("float16", 112, 32, "gfx1100", "cupa_decode_xmma1_f16_d112"),  # RDNA3: one at head 112
+    ("float16", 192, 32, "gfx1100", "cupa_decode_xmma1_f16_d192"),  # RDNA3: one at head 192
+    ("float16", 192, 32, "gfx1201", "cupa_decode_xmma2_f16_d192"),  # RDNA4: a wavefront pair
     ("bfloat16", 64, 32, "gfx1100", "cupa_decode_xmma2_bf16_d64"),
     ("float16", 256, 32, "gfx1201", "cupa_decode_xmma1_f16_d256"),  # head 256: one tile
     ("float16", 128, 8, "gfx1030", "cupa_decode_f16_d128_h8"),    # RDNA2: no WMMA, portable
