@@ -203,7 +203,6 @@ struct MatrixPartition {
     //     loop unrolled by 2, V a group at a time after the softmax.
     static constexpr int V_GROUPS = V_CHUNKS / V_GROUP;
     static constexpr int HELD_VGPRS = held_vgprs(DH);
-    static_assert(HELD_VGPRS == TILES * V_CHUNKS * G::ACC + TILES * G::CHUNKS * G::REGS, "held");
     static constexpr int AHEAD_VGPRS = HELD_VGPRS + G::K_RUN / 2 + G::ELEMS * V_GROUPS * V_WORDS;
     static constexpr bool LOADS_AHEAD = AHEAD_VGPRS <= 160;
     static constexpr bool STEPPED = !LOADS_AHEAD && HELD_VGPRS <= STEPPED_HELD_MAX;
