@@ -59,7 +59,8 @@ def emulation_scratch_bytes(warp_size: int) -> int:
     """Shared memory the emulated AMD build adds to a kernel that exchanges across a wavefront
     (CUPA_EMU_SCRATCH_BYTES in kernels/amd_emulation.cuh): the AMD target never has it."""
     words = 4 * 64 if warp_size == 64 else 16 * 32
-    return catalogue.THREADS // warp_size * words * 4
+    barrier = 8  # a wavefront's mbarrier
+    return catalogue.THREADS // warp_size * (words * 4 + barrier)
 
 
 def _check_amd_lds(compiled: dict, dynamic_bytes: int, target) -> None:

@@ -231,8 +231,6 @@ namespace cupa_emu {
 // may not), and the workgroup must be whole wavefronts of at most CUPA_THREADS threads.
 constexpr int WAVES = CUPA_THREADS / CUPA_WARP;
 static_assert(CUPA_THREADS % CUPA_WARP == 0, "workgroups are whole wavefronts");
-static_assert(CUPA_WARP == 32 || WAVES <= 15,
-              "one named barrier per wave64 (ids 1..15; 0 is __syncthreads)");
 
 // Per-wavefront scratch, in 32-bit words: the largest user is RDNA3's WMMA (A and B, 8 VGPRs
 // each, 32 lanes); wave64's are the MFMAs (2 + 2 VGPRs, 64 lanes) and the shuffles (64 lanes).
@@ -245,14 +243,49 @@ CUPA_AMD_FN int thread_rank() {
 CUPA_AMD_FN int lane() { return thread_rank() % CUPA_WARP; }
 CUPA_AMD_FN unsigned int* wave_scratch() { return scratch[thread_rank() / CUPA_WARP]; }
 
-// Wavefront barrier with memory ordering among its lanes. wave64: named barrier 1 + wave index
-// over its 64 threads, so the other wavefronts run on; wave32 is one NVIDIA warp. The CPU build
+// wave64's barrier: one mbarrier per wavefront (64 arrivals a phase), in shared memory. Not a
+// named barrier (`bar.sync 1 + wave, 64`), though that orders the same: compute-sanitizer's
+// racecheck (2025.3) then reports hazards between wavefronts across later __syncthreads
+// whenever some wavefronts ran more named barriers than others, as a workgroup's waves do
+// (docs/amd_emulation.md, "Sanitizers"); with mbarriers it reports none.
+__shared__ unsigned long long wave_barriers[WAVES];
+
+#if !CUPA_CPU
+CUPA_AMD_FN unsigned int wave_barrier_address() {
+    return (unsigned int)__cvta_generic_to_shared(&wave_barriers[thread_rank() / CUPA_WARP]);
+}
+#endif
+
+// Every thread of the workgroup, before the first wavefront operation: initialises wave64's
+// barriers (nothing for wave32, or on the CPU).
+CUPA_AMD_FN void begin_workgroup() {
+#if !CUPA_CPU && CUPA_WARP == 64
+#if __CUDA_ARCH__ < 800
+#error "the emulated wave64 barrier is an mbarrier: it needs sm_80 or later"
+#endif
+    if (lane() == 0)
+        asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(wave_barrier_address()),
+                     "r"(CUPA_WARP) : "memory");
+    __syncthreads();
+#endif
+}
+
+// Wavefront barrier with memory ordering among its lanes (the mbarrier's arrive releases, its
+// wait acquires), so the other wavefronts run on; wave32 is one NVIDIA warp. The CPU build
 // (CUPA_CPU) meets its wavefront's coroutines at its scheduler's barrier instead.
 CUPA_AMD_FN void wave_sync() {
 #if CUPA_CPU
     cupa_cpu_sync_group(CUPA_WARP);
 #elif CUPA_WARP == 64
-    asm volatile("bar.sync %0, 64;" ::"r"(1 + thread_rank() / 64) : "memory");
+    const unsigned int bar = wave_barrier_address();
+    unsigned long long phase;
+    asm volatile("mbarrier.arrive.shared.b64 %0, [%1];" : "=l"(phase) : "r"(bar) : "memory");
+    unsigned int done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.test_wait.shared.b64 p, [%1], %2; "
+                     "selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "l"(phase) : "memory");
+    } while (!done);
 #else
     __syncwarp();
 #endif
@@ -401,6 +434,10 @@ CUPA_AMD_FN void mma(const unsigned int* a, const unsigned int* b, const float* 
 
 }  // namespace cupa_emu
 
+// The first call of every kernel that uses what follows, by every thread (common.cuh's
+// begin_workgroup, which begin_partition makes).
+CUPA_AMD_FN void emu_begin_workgroup() { cupa_emu::begin_workgroup(); }
+
 // Wavefront-wide cross-lane operations, HIP's semantics at width CUPA_WARP. common.cuh's
 // warp_xor routes here when emulating, so warp_max / warp_sum keep their butterfly order.
 CUPA_AMD_FN float emu_wave_xor(float v, int lane_mask) {
@@ -459,8 +496,10 @@ CUPA_AMD_FN float emu_wave_sum(float v) {
 
 // Shared memory the emulation adds to a kernel that uses it (see CUPA_ASSERT_AMD_LDS).
 #define CUPA_EMU_SCRATCH_BYTES \
-    (CUPA_THREADS / CUPA_WARP * (CUPA_WARP == 64 ? 4 * 64 : 16 * 32) * 4)
-static_assert(CUPA_EMU_SCRATCH_BYTES == sizeof(cupa_emu::scratch), "scratch size restated");
+    (CUPA_THREADS / CUPA_WARP * ((CUPA_WARP == 64 ? 4 * 64 : 16 * 32) * 4 + 8))
+static_assert(CUPA_EMU_SCRATCH_BYTES ==
+                  sizeof(cupa_emu::scratch) + sizeof(cupa_emu::wave_barriers),
+              "scratch size restated");
 
 #define CUPA_AMD_EMULATED_MMA(LAYOUT, FMT, DTYPE, A, B, C) \
     DTYPE d_;                                             \

@@ -169,6 +169,14 @@ CUPA_FN bool warp_any(bool predicate) {
 #endif
 }
 
+// The first call of every kernel that uses the warp helpers here, by every thread of the
+// workgroup: the emulated AMD build sets up its wavefront barriers (a no-op everywhere else).
+CUPA_FN void begin_workgroup() {
+#if CUPA_EMULATE_AMD
+    emu_begin_workgroup();
+#endif
+}
+
 // Orders the shared-memory accesses of one warp's (wavefront's) lanes: what a lane wrote is
 // seen by the others, and no lane's later write overtakes another lane's earlier read. The
 // shuffles of warp_max / warp_sum make the lanes meet but are no memory barrier, which

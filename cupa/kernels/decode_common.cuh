@@ -200,6 +200,7 @@ CUPA_FN bool begin_partition(PartitionWork& w, T* out, float* lse, const i32* se
                              i32 num_tokens, i32 num_heads, i32 num_kv_heads, i32 block_size,
                              i32 max_blocks_per_seq, i32 partition_size, i32 max_partitions,
                              i32 head_chunks, i32 cluster_merge) {
+    begin_workgroup();  // before any return: every thread of the workgroup takes part
     // Every phase-1 entry point has waited first (start_in_chain, start_phase1_in_chain):
     // launched as a programmatic dependent (sm_90), nothing here is read or written before the
     // kernel ahead has finished.

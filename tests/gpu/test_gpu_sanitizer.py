@@ -4,7 +4,7 @@ hazards under each tool. Skips without a GPU or without compute-sanitizer (NVIDI
 Under CUPA_EMULATE (tools/device_run.sh emulated-sanitizer) the probe runs the emulated AMD
 builds: at EMULATED_TARGETS with CUPA_KERNEL=auto (the probe runs the portable kernel itself),
 under the tools that see what the emulation adds (wavefront exchanges through shared memory,
-named barriers): memcheck, racecheck and synccheck."""
+wave64's mbarriers): memcheck, racecheck and synccheck."""
 
 from __future__ import annotations
 

@@ -66,6 +66,9 @@ def _mma_kernel(wrapper: str, ab_regs: int, d_regs: int) -> str:
     return f"""
 extern "C" __global__ void __launch_bounds__(CUPA_THREADS) probe_{wrapper}(
         const unsigned int* a, const unsigned int* b, const float* c, float* d, int reps) {{
+#if CUPA_EMULATE_AMD
+    emu_begin_workgroup();
+#endif
     const int t = blockIdx.x * CUPA_THREADS + threadIdx.x;
     amd_u32x{ab_regs} av, bv;
     amd_f32x{d_regs} cv;
@@ -88,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(CUPA_THREADS) probe_wave_ops(
         const float* x, const int* masks, int n_masks, const int* src, float* xor_out,
         float* chain_out, float* shfl_out, unsigned long long* ballot_out, float* sum_out,
         float* max_out) {
+    emu_begin_workgroup();
     const int total = gridDim.x * CUPA_THREADS;
     const int t = blockIdx.x * CUPA_THREADS + threadIdx.x;
     const float v = x[t];

@@ -10,6 +10,7 @@ starts it first when nothing did, e.g. when only tests/offline runs).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,10 @@ def stop() -> None:
     a deselection), so that the process does not stay to compile it."""
     if _run is not None:
         _run.cancel()
+
+
+def entry_bodies(ptx: str) -> dict[str, str]:
+    """PTX text of each .entry, by name (from its header to the next entry's)."""
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\w+)", ptx)]
+    ends = [s for s, _ in starts[1:]] + [len(ptx)]
+    return {name: ptx[start:end] for (start, name), end in zip(starts, ends)}

@@ -9,13 +9,17 @@ import re
 
 import pytest
 
+from cupa.gpu import catalogue, offline
 from cupa.gpu.catalogue import expanded_source
+from cupa.gpu.compiler import emulation_scratch_bytes
+from cupa.gpu.device import Target
 
 import amd_layouts as L
 from amd_emulation_probe import (HEADER, TARGETS, THREADS, emulated_options, hip_clang,
                                  hip_compile, nvrtc_compile, nvrtc_missing, source,
                                  wrappers_of)
-from offline_compile import need_compiler
+from offline_compile import entry_bodies, need_compiler
+from tool_module import tool_module
 
 
 @pytest.fixture
@@ -38,10 +42,42 @@ def test_emulated_build_compiles(nvrtc, gfx):
     for wrapper in wrappers_of(gfx):
         assert f"probe_{wrapper}" in ptx
     if TARGETS[gfx][0] == 64:
-        # wave64: a named barrier per wavefront (ids from a register), never barrier 0 alone
-        assert re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
+        # wave64: an mbarrier per wavefront, set up in each kernel before its first arrival;
+        # no named barriers (racecheck misreads them, docs/amd_emulation.md "Sanitizers")
+        for name, body in entry_bodies(ptx).items():
+            init, arrive = body.find("mbarrier.init"), body.find("mbarrier.arrive")
+            assert 0 <= init < arrive and "mbarrier.test_wait" in body, name
+        assert not re.search(r"bar(rier)?\.sync\s+%?\w+, \d+;", ptx)
     else:
         assert "bar.sync" not in ptx and "barrier.sync" not in ptx
+
+
+@pytest.mark.parametrize("variant", [
+    catalogue.DecodeVariant("float16", 128, 8),
+    catalogue.DecodeMatrixVariant("bfloat16", 128, 2),
+    catalogue.DecodeMatrixVariant("float16", 64, 1, catalogue.FP8_AMD_NATIVE),
+], ids=lambda v: v.partition_name)
+def test_wave64_decode_kernels_set_up_their_barriers(nvrtc, variant):
+    """Emulated gfx942, as cupa compiles it: each phase-1 kernel initialises its wavefronts'
+    mbarriers (begin_partition's begin_workgroup) before any wavefront exchange."""
+    options = [*Target("gfx942", emulated=True).runtime_options(), *offline.CUPY_NVRTC_OPTIONS]
+    body = entry_bodies(nvrtc_compile(catalogue.module_source(variant), options))[
+        variant.partition_name]
+    init, arrive = body.find("mbarrier.init"), body.find("mbarrier.arrive")
+    assert 0 <= init < arrive, "an exchange before the barriers are set up"
+
+
+@pytest.mark.parametrize("kind", sorted(tool_module("racecheck_barriers").KINDS))
+def test_racecheck_barrier_tool_builds(nvrtc, kind):
+    """tools/racecheck_barriers.py (the evidence for the mbarrier above) builds every kind, and
+    only its mbarrier kind exchanges through an mbarrier."""
+    tool = tool_module("racecheck_barriers")
+    wave0, both = tool.KINDS[kind]
+    ptx = nvrtc_compile(tool.SOURCE.replace("WAVE0_BARRIER", wave0)
+                        .replace("BOTH_BARRIER", both), ["--std=c++17"])
+    assert ("mbarrier.arrive" in ptx) == (kind == "mbarrier")
+    named = re.search(r"\bbar\.sync\s+%r\d+, 64;", ptx) is not None
+    assert named == kind.startswith("bar.sync")
 
 
 @pytest.mark.parametrize("emulate", [None, "0x942", "0x1100"])
@@ -51,6 +87,7 @@ def test_common_carries_the_header(nvrtc, emulate):
     parts = [expanded_source("common.cuh")]
     kernel = """
 extern "C" __global__ void k(float* x) {
+    begin_workgroup();
     float v = x[threadIdx.x];
 #if CUPA_EMULATE_AMD
     v = emu_wave_sum(v) + warp_sum(v);
@@ -80,8 +117,7 @@ static_assert(CUPA_EMU_SCRATCH_BYTES == 0, "no scratch");
 
 @pytest.mark.parametrize("gfx", sorted(TARGETS))
 def test_scratch_and_lds_limit(nvrtc, gfx):
-    warp = TARGETS[gfx][0]
-    scratch = (THREADS // warp) * (4 * 64 if warp == 64 else 16 * 32) * 4
+    scratch = emulation_scratch_bytes(TARGETS[gfx][0])
     ok = header_text() + f"""
 static_assert(CUPA_EMU_SCRATCH_BYTES == {scratch}, "scratch bytes");
 static_assert(AMD_LDS_BYTES == 65536, "64 KiB");

@@ -16,7 +16,7 @@ import re
 
 import pytest
 from amd_emulation_probe import nvrtc_compile
-from offline_compile import need_compiler
+from offline_compile import entry_bodies, need_compiler
 
 from cupa.gpu import catalogue, offline
 from cupa.gpu.device import Target
@@ -31,13 +31,6 @@ VARIANTS = [
 ]
 # A PTX line that touches global memory.
 GLOBAL_ACCESS = re.compile(r"(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
-
-
-def entry_bodies(ptx: str) -> dict[str, str]:
-    """PTX text of each .entry, by name (from its header to the next entry's)."""
-    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\w+)", ptx)]
-    ends = [s for s, _ in starts[1:]] + [len(ptx)]
-    return {name: ptx[start:end] for (start, name), end in zip(starts, ends)}
 
 
 @pytest.fixture(scope="module")
