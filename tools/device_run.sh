@@ -8,8 +8,8 @@
 #             kernel at gfx90a, gfx942 (MFMA), gfx1100 and gfx1201 (WMMA); CUPA_EMULATED_TARGETS
 #             picks entries ("gfx942", "gfx942:portable").
 #   emulated-sanitizer: compute-sanitizer's memcheck, racecheck and synccheck over
-#             tools/sanitizer_probe.py under the emulated builds of gfx942 and gfx1100, both at once
-#             (tests/gpu/test_gpu_sanitizer.py's emulated runs)
+#             tools/sanitizer_probe.py under the emulated builds of gfx942, gfx1100 and gfx1201,
+#             all at once (tests/gpu/test_gpu_sanitizer.py's emulated runs)
 # Writes logs under $OUT (device tool) or ./out. Installs carried FlashInfer wheels if present:
 # .whl/*.whl, or .whlx/*.tar.xz, the same wheels unpacked and xz-compressed (19 MB against 62 MiB,
 # for when the wheels no longer fit the device's 64 MiB carry beside the tree), made with
@@ -89,13 +89,13 @@ if [ "$what" = emulated ]; then
   done
 fi
 if [ "$what" = emulated-sanitizer ]; then
-  for target in gfx942 gfx1100; do
+  for target in gfx942 gfx1100 gfx1201; do
     CUPA_EMULATE=$target CUPA_KERNEL=auto CUPA_REQUIRE_GPU=1 timeout ${CUPA_EMULATED_TIMEOUT:-400} \
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_sanitizer.py "$@" \
       > "$OUT/emulated_sanitizer_$target.log" 2>&1 &
   done
   wait
-  for target in gfx942 gfx1100; do
+  for target in gfx942 gfx1100 gfx1201; do
     echo "== sanitizer at $target: $(grep -E "passed|failed|error" "$OUT/emulated_sanitizer_$target.log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$OUT/emulated_sanitizer_$target.log" | head -5
   done

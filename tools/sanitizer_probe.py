@@ -82,6 +82,12 @@ def main():
                     *problem(rng, dtype, head_size, 8), partition_size=256)
             run(f"{cores} 16-row {dtype} group 32 ({merge})",
                 *problem(rng, dtype, 128, 32), partition_size=256)
+            if emulated and dtype == "float16":
+                # Two row tiles where wavefront pairs share a tile: RDNA3 at 96 (and 128
+                # above), RDNA4 at 192 (catalogue.ONE_TILE_HEAD_SIZES, decode_matrix.cu SPLIT).
+                for head_size in (96, 192):
+                    run(f"{cores} 16-row {dtype} d{head_size} group 32 ({merge})",
+                        *problem(rng, dtype, head_size, 32), partition_size=256)
             # fp8 rows at 80, 96 and 112 at their own width; 80 and 112 end mid column block.
             for head_size in (80, 96, 112, 128):
                 run_fp8(f"{cores} fp8 {dtype} d{head_size} ({merge})",

@@ -247,7 +247,7 @@ CUPA_AMD_FN unsigned int* wave_scratch() { return scratch[thread_rank() / CUPA_W
 // named barrier (`bar.sync 1 + wave, 64`), though that orders the same: compute-sanitizer's
 // racecheck (2025.3) then reports hazards between wavefronts across later __syncthreads
 // whenever some wavefronts ran more named barriers than others, as a workgroup's waves do
-// (docs/amd_emulation.md, "Sanitizers"); with mbarriers it reports none.
+// (docs/amd_emulation.md, "Under compute-sanitizer"); with mbarriers it reports none.
 __shared__ unsigned long long wave_barriers[WAVES];
 
 #if !CUPA_CPU

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.skipif(not gpu_available(), reason="needs cupy and a G
               pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer is not on PATH")]
 TOOLS = {"memcheck": [], "racecheck": ["--racecheck-report", "all"], "initcheck": [],
          "synccheck": []}
-EMULATED_TARGETS = ("gfx942", "gfx1100")  # wave64 MFMA, wave32 WMMA
+EMULATED_TARGETS = ("gfx942", "gfx1100", "gfx1201")  # wave64 MFMA, wave32 WMMA of RDNA3, RDNA4
 EMULATED_TOOLS = ("memcheck", "racecheck", "synccheck")
 
 

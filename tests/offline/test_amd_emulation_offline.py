@@ -43,7 +43,8 @@ def test_emulated_build_compiles(nvrtc, gfx):
         assert f"probe_{wrapper}" in ptx
     if TARGETS[gfx][0] == 64:
         # wave64: an mbarrier per wavefront, set up in each kernel before its first arrival;
-        # no named barriers (racecheck misreads them, docs/amd_emulation.md "Sanitizers")
+        # no named barriers (racecheck misreads them: docs/amd_emulation.md, "Under
+        # compute-sanitizer")
         for name, body in entry_bodies(ptx).items():
             init, arrive = body.find("mbarrier.init"), body.find("mbarrier.arrive")
             assert 0 <= init < arrive and "mbarrier.test_wait" in body, name
