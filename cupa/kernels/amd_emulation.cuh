@@ -4,7 +4,7 @@
 //   CUPA_HIP=1                      a real AMD target: the amd_* matrix wrappers below are the
 //                                   compiler's MFMA/WMMA builtins, nothing is emulated.
 //   CUPA_EMULATE_AMD=1, CUPA_HIP=0  an AMD target's semantics compiled by NVRTC for an NVIDIA
-//                                   GPU (sm_70 or later), so the GPU tests can run wave64, MFMA
+//                                   GPU (sm_70 on, wave64 sm_80 on), so GPU tests run wave64, MFMA
 //                                   and WMMA code where no AMD GPU is available. The wrappers
 //                                   compute their instruction lane by lane by AMD's documented
 //                                   layouts, and emu_wave_* give 64-lane wavefront shuffles.
