@@ -525,6 +525,10 @@ def cache_bytes(variant) -> int:
     return 1 if variant.cache else 2
 
 
+# decode.cu's PvLayout::BATCH: V vectors a PV thread loads before it uses the first.
+PORTABLE_PV_BATCH = 8
+
+
 def portable_layout(variant, warp: int) -> dict:
     """decode.cu's PvLayout for this variant, and the loop constants (mirrors the source)."""
     vec = 16 // cache_bytes(variant) if variant.dtype != "float32" else 4
@@ -535,7 +539,7 @@ def portable_layout(variant, warp: int) -> dict:
     slots = ht // hpt
     lanes = rows // slots
     return {"VEC": vec, "CHUNKS": chunks, "LANES": lanes, "HPT": hpt, "TILE": catalogue.THREADS,
-            "NWARPS": catalogue.THREADS // warp, "rows": ht}
+            "NWARPS": catalogue.THREADS // warp, "rows": ht, "BATCH": PORTABLE_PV_BATCH}
 
 
 def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tuple:
@@ -544,7 +548,8 @@ def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tup
       step 1, QK:  `for c < CHUNKS` with `#pragma unroll 4`: CHUNKS / 4 iterations;
       step 2, softmax: `for h = warp; h < nh; h += NWARPS`: rows / NWARPS per wavefront on
         average, holding `for j = lane; j < TILE; j += warp` twice: TILE / warp each;
-      step 3, PV:  `for j = pv_lane; j < tile_len; j += LANES`: TILE / LANES.
+      step 3, PV:  `for j0 = pv_lane; j0 < tile_len; j0 += BATCH * LANES`:
+        TILE / (BATCH * LANES), at least 1.
     A loop the compiler unrolled fully is absent and needs no count. With rows <= NWARPS the
     compiler makes the head loop an `if (warp < nh)`: its j loops are then the tile loop's
     own, and what the `if` holds runs in rows of the NWARPS wavefronts (the share returned).
@@ -573,7 +578,7 @@ def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tup
         elif step == 1 and not grandchildren and per_step[1] <= 2 and heads_per_wave <= 1:
             trips[child] = k["TILE"] / warp  # a j loop of the `if`; its share is set below
         elif step == 2 and not grandchildren and per_step[2] == 1:
-            trips[child] = k["TILE"] / k["LANES"]
+            trips[child] = max(1.0, k["TILE"] / (k["BATCH"] * k["LANES"]))
         else:
             raise RuntimeError(f"portable tile loop: unexpected inner loop {child} in step "
                                f"{step + 1} (children {grandchildren}, loops per step "

@@ -36,6 +36,10 @@ struct PvLayout {
     static constexpr int SLOTS = HT / HPT;              // head slots
     static constexpr int LANES = ROWS / SLOTS;          // token lanes, summed at partition end
     static constexpr int ACTIVE = CHUNKS * SLOTS * LANES;
+    // V vectors a PV thread loads before it uses the first (docs/perf-log.md v57): 8 turns a
+    // tile's 64 dependent loads a thread (GQA 8, head 128, 16 bits) into 8 round trips, for
+    // the registers of 8 vectors in flight (gfx942: 64 -> 84 VGPRs, occupancy unchanged).
+    static constexpr int BATCH = 8;
     static_assert(D % VEC == 0, "head size must be a whole number of 16-byte vectors");
     static_assert(HT % HPT == 0 && SLOTS <= ROWS && LANES >= 1, "bad PV layout");
 };
@@ -171,16 +175,36 @@ CUPA_FN void decode_partition(
                 for (int v = 0; v < VEC; ++v) acc[i][v] *= corr;
             }
             const int tile_len = cmin(TILE, end - tile);
-            for (int j = pv_lane; j < tile_len; j += L::LANES) {
-                const i64 row = row_s[j];
-                if (row < 0) continue;
-                float val[VEC];
-                Elem<C>::widen(load16(value_cache + row + pv_chunk * VEC), val);
+            // L::BATCH tokens a step: their V loads are all issued before the first is used,
+            // so a step waits through one memory round trip, not one a token. A token past the
+            // tile or with nothing to read loads the cache's first row instead and zeroes what
+            // it loaded (that row may hold NaN): no branch around a load, which would make each
+            // load wait for the one before (docs/perf-log.md v57).
+            for (int j0 = pv_lane; j0 < tile_len; j0 += L::BATCH * L::LANES) {
+                cupa_u32x4 raw[L::BATCH];
+                bool seen[L::BATCH];
 #pragma unroll
-                for (int i = 0; i < L::HPT; ++i) {
-                    const float p = p_s[pv_slot * L::HPT + i][j];
+                for (int b = 0; b < L::BATCH; ++b) {
+                    const int j = j0 + b * L::LANES;
+                    const i64 row = j < tile_len ? row_s[j] : -1;
+                    seen[b] = row >= 0;
+                    raw[b] = load16(value_cache + (seen[b] ? row : 0) + pv_chunk * VEC);
+                }
+                schedule_fence();
 #pragma unroll
-                    for (int v = 0; v < VEC; ++v) acc[i][v] += p * val[v];
+                for (int b = 0; b < L::BATCH; ++b) {
+                    if (!seen[b]) raw[b] = cupa_u32x4{0u, 0u, 0u, 0u};
+                    // Past the tile, p is another token's (clamped into p_s); any finite p
+                    // times the zeroed row adds nothing, and p_s holds probabilities.
+                    const int j = cmin(j0 + b * L::LANES, TILE - 1);
+                    float val[VEC];
+                    Elem<C>::widen(raw[b], val);
+#pragma unroll
+                    for (int i = 0; i < L::HPT; ++i) {
+                        const float p = p_s[pv_slot * L::HPT + i][j];
+#pragma unroll
+                        for (int v = 0; v < VEC; ++v) acc[i][v] += p * val[v];
+                    }
                 }
             }
         }

@@ -19,7 +19,7 @@ import pytest
 
 from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
 
-from cases import REL_BOUND, environ, make_case
+from cases import FP8_REL_BOUND, REL_BOUND, environ, make_case, quantized_case
 from cuda_on_cpu import compiler_missing
 from decode_on_cpu import (LENGTHS, check_fp8_case, check_fuzz_draws,
                            check_options_together, check_result, check_selftest_sample,
@@ -168,6 +168,32 @@ def test_portable_kernel_on_amd_wavefronts(rng, arch, dtype, head_size, kernel):
         result = decode_on_cpu(arch, *case.args(), **case.options())
     assert isinstance(result.plan.variant, DecodeVariant)
     check_result(result, case, REL_BOUND[dtype])
+
+
+# The portable kernel's PV steps (decode.cu's PvLayout::BATCH tokens a step, v57): 3 token
+# lanes at head 80 in float32 (a step's tokens straddle the tile's end), 32 lanes at head 64
+# with an fp8 cache at GQA 1 (a step reaches past the 128-token tile), 2 lanes at head 128
+# GQA 8; partitions of 64 and 200 tokens end steps part-way, and make_case's poison (NaN in
+# block 0 and in every slot no sequence owns, ids outside the cache) is what a step's spare
+# loads meet.
+@pytest.mark.parametrize("arch, dtype, head_size, group, fmt", [
+    ("gfx942", "float32", 80, 4, None), ("gfx1100", "float16", 64, 1, "fp8_e4m3"),
+    ("gfx1201", "float16", 128, 8, None), ("gfx90a", "bfloat16", 112, 2, "fp8_e4m3fnuz")])
+@pytest.mark.parametrize("partition_size", [64, 200])
+def test_portable_kernel_pv_steps(rng, arch, dtype, head_size, group, fmt, partition_size):
+    case = make_case(rng, dtype=dtype, head_size=head_size, num_kv_heads=2, group=group,
+                     seq_lens=(0, 1, 5, 130, 333))
+    caches, options = (case.key_cache, case.value_cache), {}
+    reference_caches = None
+    if fmt:
+        caches, reference_caches, (k_scale, v_scale) = quantized_case(case, fmt, rng)
+        options = dict(kv_format=fmt, k_scale=k_scale, v_scale=v_scale)
+    with environ(CUPA_KERNEL="portable"):
+        result = decode_on_cpu(arch, case.query, *caches, case.block_tables, case.seq_lens,
+                               **case.options(), **options, partition_size=partition_size)
+    assert isinstance(result.plan.variant, DecodeVariant)
+    bound = FP8_REL_BOUND if fmt else REL_BOUND[dtype]
+    check_result(result, case, bound, reference_caches=reference_caches)
 
 
 FUZZ_DRAWS = 24  # about half a minute, the builds included
