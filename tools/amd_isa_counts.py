@@ -525,8 +525,14 @@ def cache_bytes(variant) -> int:
     return 1 if variant.cache else 2
 
 
-# decode.cu's PvLayout::BATCH: V vectors a PV thread loads before it uses the first.
-PORTABLE_PV_BATCH = 8
+def portable_pv_batch() -> int:
+    """decode.cu's PvLayout::BATCH (V vectors a PV thread loads before it uses the first), read
+    from the source so that it is stated once."""
+    found = re.search(r"static constexpr int BATCH = (\d+);",
+                      (catalogue.KERNEL_DIR / "decode.cu").read_text())
+    if found is None:
+        raise RuntimeError("decode.cu: PvLayout::BATCH not found")
+    return int(found.group(1))
 
 
 def portable_layout(variant, warp: int) -> dict:
@@ -539,7 +545,7 @@ def portable_layout(variant, warp: int) -> dict:
     slots = ht // hpt
     lanes = rows // slots
     return {"VEC": vec, "CHUNKS": chunks, "LANES": lanes, "HPT": hpt, "TILE": catalogue.THREADS,
-            "NWARPS": catalogue.THREADS // warp, "rows": ht, "BATCH": PORTABLE_PV_BATCH}
+            "NWARPS": catalogue.THREADS // warp, "rows": ht, "BATCH": portable_pv_batch()}
 
 
 def portable_trip_counts(nest: LoopNest, header: str, variant, warp: int) -> tuple:
