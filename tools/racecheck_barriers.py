@@ -7,50 +7,38 @@ barrier. Needs cupy, an NVIDIA GPU (sm_80 or later) and compute-sanitizer.
 
 A workgroup of 128 threads is two 64-thread wavefronts. Each of N rounds (40): wave 0 runs its
 barrier (KIND), then writes; __syncthreads; wave 1 reads what wave 0 wrote; __syncthreads. The
-__syncthreads order every access, so any hazard racecheck reports is a false one. Session 52
-measured this logic (in a scratch script) before it became this tool; the tool itself has not
-run on a device yet.
+__syncthreads order every access, so any hazard racecheck reports is a false one. The mbarrier
+kind runs the emulation's own wavefront exchange (kernels/amd_emulation.cuh). Session 52
+measured this logic in a scratch script, its mbarrier written out by hand; the tool itself
+has not run on a device yet.
 """
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
+HEADER = Path(__file__).resolve().parent.parent / "cupa" / "kernels" / "amd_emulation.cuh"
+# The emulated gfx942 build the header serves (wave64), as cupa compiles it.
+OPTIONS = ("-DCUPA_EMULATE_AMD=1", "-DCUPA_HIP=0", "-DCUPA_WARP=64", "-DCUPA_THREADS=128",
+           "-DCUPA_EMULATE_GFX=0x942", "--std=c++17")
 BAR_SYNC = 'asm volatile("bar.sync %0, 64;" ::"r"(1 + wave) : "memory");'
 KINDS = {  # name: (code wave 0 runs each round before its write, code both waves run after it)
     "none": ("", ""),
     "bar.sync": (BAR_SYNC, ""),
     "barrier.sync": ('asm volatile("barrier.sync %0, 64;" ::"r"(1 + wave) : "memory");', ""),
     "bar.sync-both-waves": ("", BAR_SYNC),
-    # An exchange across the wavefront's two warps, ordered by the mbarrier alone.
-    "mbarrier": ("x[wave][lane] = t + round; mbarrier_sync(&bars[wave]); "
-                 "acc += x[wave][lane ^ 32]; mbarrier_sync(&bars[wave]);", ""),
+    # The emulation's own exchange across the wavefront's two warps (emu_wave_xor at mask 32:
+    # scratch, mbarrier, read, mbarrier), what cupa's emulated wave64 kernels run.
+    "mbarrier": ("acc += emu_wave_xor((unsigned int)(t + round), 32);", ""),
 }
 
-SOURCE = r"""
-__device__ unsigned int shared_address(void* p) {
-    return (unsigned int)__cvta_generic_to_shared(p);
-}
-__device__ void mbarrier_sync(unsigned long long* bar) {
-    unsigned long long phase;
-    asm volatile("mbarrier.arrive.shared.b64 %0, [%1];"
-                 : "=l"(phase) : "r"(shared_address(bar)) : "memory");
-    unsigned int done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.test_wait.shared.b64 p, [%1], %2; "
-                     "selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(shared_address(bar)), "l"(phase) : "memory");
-    } while (!done);
-}
+KERNEL = r"""
 extern "C" __global__ void rounds(unsigned int* out, int n) {
-    __shared__ unsigned int s[64], x[2][64];
-    __shared__ unsigned long long bars[2];
+    emu_begin_workgroup();
+    __shared__ unsigned int s[64];
     const int t = threadIdx.x, wave = t / 64, lane = t % 64;
-    if (lane == 0)
-        asm volatile("mbarrier.init.shared.b64 [%0], 64;" ::"r"(shared_address(&bars[wave]))
-                     : "memory");
-    __syncthreads();
     unsigned int acc = 0;
     for (int round = 0; round < n; ++round) {
         if (wave == 0) {
@@ -67,11 +55,16 @@ extern "C" __global__ void rounds(unsigned int* out, int n) {
 """
 
 
+def source(kind: str) -> str:
+    """The module of one kind: the emulation header, then the kernel."""
+    wave0, both = KINDS[kind]
+    kernel = KERNEL.replace("WAVE0_BARRIER", wave0).replace("BOTH_BARRIER", both)
+    return HEADER.read_text().replace("#pragma once", "") + kernel
+
+
 def run_kernel(kind: str, rounds: int) -> None:
     import cupy
-    wave0, both = KINDS[kind]
-    src = SOURCE.replace("WAVE0_BARRIER", wave0).replace("BOTH_BARRIER", both)
-    kernel = cupy.RawKernel(src, "rounds")
+    kernel = cupy.RawModule(code=source(kind), options=OPTIONS).get_function("rounds")
     out = cupy.zeros(128, cupy.uint32)
     kernel((8,), (128,), (out, np.int32(rounds)))
     cupy.cuda.Device().synchronize()
