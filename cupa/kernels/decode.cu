@@ -15,9 +15,10 @@
 //   3. PV: threads split as (16-byte column chunk) x (head slot) x (token lane); each V vector is
 //      read from global memory by the head slots sharing it (one coalesced request), and the
 //      token lanes are summed once per partition through shared memory.
-// Tokens at or past seq_len and tokens in blocks whose id is not in [0, num_blocks) are never
-// read: their logit is -inf and their V row is skipped, so garbage (even NaN) in unwritten cache
-// slots or table entries cannot reach the output.
+// Tokens at or past seq_len and tokens in blocks whose id is not in [0, num_blocks) never have
+// their own rows read: their K row is skipped and their logit is -inf; in PV their V loads read
+// the cache's first row instead (validation asks for a block) and what those bring is zeroed. So
+// garbage (even NaN) in unwritten cache slots or table entries cannot reach the output.
 #include "common.cuh"
 #include "decode_common.cuh"
 
@@ -36,6 +37,11 @@ struct PvLayout {
     static constexpr int SLOTS = HT / HPT;              // head slots
     static constexpr int LANES = ROWS / SLOTS;          // token lanes, summed at partition end
     static constexpr int ACTIVE = CHUNKS * SLOTS * LANES;
+    // Token lanes whose sums lane 0 adds a step at the partition's end: at most 64 floats in
+    // flight. clang loaded all lanes at once: 15 to 31 lanes of 16 or 32 floats (an fp8 cache
+    // at one or two rows, 16 bits at two) took 140-512 VGPRs with spills, and that set the
+    // whole kernel's occupancy, down to one wavefront a SIMD on gfx942 (docs/perf-log.md v58).
+    static constexpr int SUM_STEP = cmax(1, 64 / (HPT * VEC));
     // V vectors a PV thread loads before it uses the first (docs/perf-log.md v57): 8 turns a
     // tile's 64 dependent loads a thread (GQA 8, head 128, 16 bits) into 8 round trips, for
     // the registers of 8 vectors in flight (gfx942: 64 -> 84 VGPRs, occupancy unchanged).
@@ -222,12 +228,20 @@ CUPA_FN void decode_partition(
         }
         __syncthreads();
         if (pv_active && pv_lane == 0) {
-            for (int lane = 0; lane < L::LANES - 1; ++lane)
+            // L::SUM_STEP lanes a step: left to it, clang loads every lane's sums before it
+            // adds the first.
+            constexpr int step = L::SUM_STEP;
+#pragma unroll 1
+            for (int lane0 = 0; lane0 < L::LANES - 1; lane0 += step)
 #pragma unroll
-                for (int i = 0; i < L::HPT; ++i)
+                for (int lane = lane0; lane < lane0 + step; ++lane) {
+                    if (lane >= L::LANES - 1) break;
 #pragma unroll
-                    for (int v = 0; v < VEC; ++v)
-                        acc[i][v] += red_s[lane][pv_slot * L::HPT + i][pv_chunk * VEC + v];
+                    for (int i = 0; i < L::HPT; ++i)
+#pragma unroll
+                        for (int v = 0; v < VEC; ++v)
+                            acc[i][v] += red_s[lane][pv_slot * L::HPT + i][pv_chunk * VEC + v];
+                }
         }
     }
 

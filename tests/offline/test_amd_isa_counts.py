@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cupa.gpu.catalogue import DecodeMatrixVariant, DecodeVariant
+from cupa.gpu.catalogue import FP8_CACHE, DecodeMatrixVariant, DecodeVariant
 from offline_compile import need_compiler
 from tool_module import tool_module
 
@@ -295,6 +295,23 @@ def test_portable_loop_on_gfx942(gfx942):
     # at least the multiply-adds: per lane 4 a KV byte (8 rows, one each per 2-byte element of
     # K and of V), over 64 lanes, two to a packed instruction at best
     assert r.per_kv_byte()["valu"] >= 4 / 64 / 2
+
+
+@pytest.mark.parametrize("arch, variant, vgprs, occupancy", [
+    ("gfx942", DecodeVariant("float32", 64, 1, FP8_CACHE), 128, 3),
+    ("gfx942", DecodeVariant("float16", 128, 1, FP8_CACHE), 128, 3),
+    ("gfx1100", DecodeVariant("float16", 112, 1, FP8_CACHE), 128, 12),
+    ("gfx1100", DecodeVariant("float32", 192, 2, FP8_CACHE), 128, 7),
+    ("gfx1100", DecodeVariant("float16", 64, 2), 128, 12)])
+def test_portable_lane_sums_in_steps(arch, variant, vgprs, occupancy):
+    """The portable kernel adds its token lanes' sums a few lanes at a time (PvLayout::
+    SUM_STEP): with 15 to 31 lanes of 16 or 32 floats (an fp8 cache, or 16 bits at GQA 2 and
+    head 64) clang loaded them all at once, for 256-512 VGPRs, spills of up to 316 bytes a
+    lane and one wavefront a SIMD on gfx942 (docs/perf-log.md v58)."""
+    need_compiler(A.offline.hip_toolchain_missing(arch))
+    s = A.kernel_summary(A.offline.assembly_for(variant, arch), variant.partition_name)
+    assert s["vgprs"] <= vgprs and s["scratch_bytes"] == 0, (variant, s)
+    assert s["occupancy"] >= occupancy, (variant, s)
 
 
 def test_hardware_fp8_widening_on_gfx942(gfx942):
