@@ -9,7 +9,8 @@ run-time compilers add on their own, so that what is checked here is what a GPU 
   hipRTC path adds (-fcuda-flush-denormals-to-zero), the device libraries linked in (ocml, ockl
   and the oclc control libraries, as comgr links them for hipRTC) and ld.lld's --no-undefined,
   so a device-library function that does not exist fails here as it would on the GPU. The code
-  object's metadata then must say the wavefront size the kernels were written for (CUPA_WARP).
+  object's metadata then must say the wavefront size the kernels were written for (CUPA_WARP),
+  and with CUPA_CHECK_SPILLS=1 (CI) that no kernel spills past SPILLS_ALLOWED.
 
 What still differs from a ROCm 7 node (no AMD GPU or ROCm install was available): the HIP
 headers (by default Debian's HIP 5.2, included whole, where hipRTC uses ROCm 7's as its built-in
@@ -532,16 +533,49 @@ def hip_command(tools: HipToolchain, target: Target, src: str, out: str) -> list
             src, "-o", out]
 
 
-WAVEFRONT_SIZE = re.compile(r"\.wavefront_size:\s+(\d+)")
+@dataclass(frozen=True)
+class KernelCode:
+    """What a code object's AMDGPU metadata says of one kernel."""
+    name: str
+    wavefront_size: int
+    scratch_bytes: int  # private memory a lane (.private_segment_fixed_size): spilled registers
 
 
-def kernel_wavefront_sizes(tools: HipToolchain, code_object: str) -> list[int]:
-    """The wavefront size of each kernel, from the code object's AMDGPU metadata note."""
+_KERNEL_FIELD = {"name": re.compile(r"^\s+\.name:\s+(\S+)", re.M),
+                 "wavefront_size": re.compile(r"^\s+\.wavefront_size:\s+(\d+)", re.M),
+                 "scratch_bytes": re.compile(r"^\s+\.private_segment_fixed_size:\s+(\d+)", re.M)}
+
+
+def parse_kernel_notes(notes: str) -> list[KernelCode]:
+    """The kernels of `llvm-readelf --notes` output: the amdhsa.kernels list, one entry a
+    kernel, each starting with a "  - " line, up to the next top-level key."""
+    if "amdhsa.kernels:" not in notes:
+        return []
+    listing = notes.split("amdhsa.kernels:", 1)[1]
+    end = re.search(r"^\S", listing, re.M)
+    kernels = []
+    for entry in re.split(r"\n  - ", listing[:end.start()] if end else listing)[1:]:
+        found = {field: pattern.search(entry) for field, pattern in _KERNEL_FIELD.items()}
+        if not all(found.values()):
+            raise RuntimeError(f"AMDGPU metadata: a kernel entry without "
+                               f"{[f for f, m in found.items() if not m]}:\n{entry[:400]}")
+        kernels.append(KernelCode(found["name"].group(1), int(found["wavefront_size"].group(1)),
+                                  int(found["scratch_bytes"].group(1))))
+    return kernels
+
+
+def code_object_kernels(tools: HipToolchain, code_object: str) -> list[KernelCode]:
+    """Each kernel of a code object, from its AMDGPU metadata note."""
     result = subprocess.run([tools.readelf, "--notes", code_object], capture_output=True,
                             text=True)
     if result.returncode != 0:
         raise RuntimeError(f"llvm-readelf failed on {code_object}:\n{result.stderr}")
-    return [int(size) for size in WAVEFRONT_SIZE.findall(result.stdout)]
+    return parse_kernel_notes(result.stdout)
+
+
+def kernel_wavefront_sizes(tools: HipToolchain, code_object: str) -> list[int]:
+    """The wavefront size of each kernel, from the code object's AMDGPU metadata note."""
+    return [k.wavefront_size for k in code_object_kernels(tools, code_object)]
 
 
 def check_wavefront_size(sizes: list[int], target: Target, name: str) -> None:
@@ -555,7 +589,54 @@ def check_wavefront_size(sizes: list[int], target: Target, name: str) -> None:
                            f"{target.warp_size}")
 
 
-def _compile_clang_hip(source: str, name: str, target: Target) -> int:
+# CUPA_CHECK_SPILLS=1 (CI sets it): an AMD kernel that keeps more bytes a lane in scratch than
+# SPILLS_ALLOWED says fails its compile. No AMD GPU runs here, so clang's register allocation is
+# what shows a kernel's regression on AMD: a spill goes to memory, and the registers it stands
+# for set the occupancy of the whole kernel (docs/perf-log.md v58: up to 512 VGPRs and 316
+# bytes of spills in the portable kernel, found by hand). The allowances are clang-19's (and
+# clang-22's for gfx950); another clang may allocate otherwise, hence not by default.
+CHECK_SPILLS_ENV = "CUPA_CHECK_SPILLS"
+# Where dispatch runs a kernel that spills: bytes a lane, by (target, kernel). RDNA3's one tile
+# of bf16 over an fp8 cache at heads 112 and 256, and its two tiles at 96 (docs/performance.md,
+# "Open leads": heads 80 to 192 on the matrix cores).
+SPILLS_ALLOWED = {
+    ("gfx1100", "cupa_decode_xmma1_bf16kv8_d112"): 12,
+    ("gfx1100", "cupa_decode_xmma1_bf16kv8_d256"): 8,
+    ("gfx1100", "cupa_decode_xmma2_f16_d96"): 12,
+    ("gfx1100", "cupa_decode_xmma2_bf16_d96"): 8,
+    ("gfx1100", "cupa_decode_xmma2_bf16kv8_d96"): 20,
+}
+
+
+def spill_check_requested() -> bool:
+    return os.environ.get(CHECK_SPILLS_ENV, "") not in ("", "0")
+
+
+def spill_allowances(group: list, arch: str) -> dict[str, int]:
+    """Scratch bytes a lane allowed to each kernel of `group` on `arch`: SPILLS_ALLOWED's, else
+    0. Not checked (absent): a matrix variant with more row tiles than dispatch ever gives that
+    head size on `arch` (catalogue.ONE_TILE_HEAD_SIZES: compiled, never run; RDNA3's two tiles
+    at 80, 112 and 192 spill 372-860 bytes)."""
+    allowed = {}
+    for variant in group:
+        if isinstance(variant, catalogue.DecodeMatrixVariant) and variant.tiles > \
+                catalogue.matrix_tiles(variant.rows, variant.head_size, arch):
+            continue
+        for name in variant.entry_names:
+            allowed[name] = SPILLS_ALLOWED.get((arch, name), 0)
+    return allowed
+
+
+def check_spills(kernels: list[KernelCode], allowed: dict[str, int], arch: str) -> None:
+    over = [f"{k.name}: {k.scratch_bytes} bytes a lane (allowed {allowed[k.name]})"
+            for k in kernels if k.name in allowed and k.scratch_bytes > allowed[k.name]]
+    if over:
+        raise RuntimeError(f"registers spilled to scratch on {arch} ({CHECK_SPILLS_ENV}, "
+                           f"offline.SPILLS_ALLOWED):\n  " + "\n  ".join(over))
+
+
+def _compile_clang_hip(source: str, name: str, target: Target,
+                       spills_allowed: dict[str, int] | None = None) -> int:
     tools = hip_toolchain(target.arch)
     with tempfile.TemporaryDirectory(prefix="cupa-hip-") as tmp:
         src = os.path.join(tmp, f"{name}.hip")
@@ -566,7 +647,10 @@ def _compile_clang_hip(source: str, name: str, target: Target) -> int:
                                 text=True)
         if result.returncode != 0:
             raise RuntimeError(f"clang failed for {name} on {target.arch}:\n{result.stderr}")
-        check_wavefront_size(kernel_wavefront_sizes(tools, out), target, name)
+        kernels = code_object_kernels(tools, out)
+        check_wavefront_size([k.wavefront_size for k in kernels], target, name)
+        if spills_allowed is not None:
+            check_spills(kernels, spills_allowed, target.arch)
         return os.path.getsize(out)
 
 
@@ -625,5 +709,6 @@ def compile_offline(variant_group, arch: str) -> int:
     source = catalogue.batch_source(group)
     name = group[0].entry_names[0] + (f"_and_{len(group) - 1}_more" if len(group) > 1 else "")
     if target.is_hip:
-        return _compile_clang_hip(source, name, target)
+        allowed = spill_allowances(group, arch) if spill_check_requested() else None
+        return _compile_clang_hip(source, name, target, allowed)
     return _compile_nvrtc(source, name, target)

@@ -162,6 +162,21 @@ def test_hip_command_matches_hiprtc_and_the_code_object_its_wavefront(tmp_path, 
     assert sizes == [warp] * len(variant.entry_names)
 
 
+def test_a_kernel_that_spills_past_its_allowance_fails_to_compile():
+    """CUPA_CHECK_SPILLS (CI): RDNA3's one tile of bf16 over an fp8 cache at head 112 keeps 12
+    bytes a lane in scratch, what SPILLS_ALLOWED allows it and not a byte more."""
+    require_compilers([hip_missing("gfx1100")])
+    variant = catalogue.DecodeMatrixVariant("bfloat16", 112, 1, catalogue.FP8_CACHE)
+    source, target = catalogue.module_source(variant), Target("gfx1100")
+    allowed = offline.spill_allowances([variant], "gfx1100")
+    assert allowed[variant.partition_name] == 12
+    assert offline._compile_clang_hip(source, "spills", target, allowed) > 0
+    with pytest.raises(RuntimeError, match=f"{variant.partition_name}: 12 bytes a lane "
+                                           r"\(allowed 0\)"):
+        offline._compile_clang_hip(source, "spills", target, dict(allowed, **{
+            variant.partition_name: 0}))
+
+
 def test_hip_link_fails_on_a_missing_device_function():
     """A call into the device libraries that they do not define fails the offline compile (as
     the code object load would on the GPU), where an unlinked -S compile would pass."""
