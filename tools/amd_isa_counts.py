@@ -81,6 +81,7 @@ from cupa.gpu.device import Target  # noqa: E402
 DEFAULT_VARIANTS = {
     "portable-f16-gqa8": DecodeVariant("float16", 128, 8),
     "portable-f16-mha": DecodeVariant("float16", 128, 1),
+    "portable-f16-fp8kv": DecodeVariant("float16", 128, 8, catalogue.FP8_CACHE),
     "matrix-f16": DecodeMatrixVariant("float16", 128, 1),
     "matrix-f16-fp8kv": DecodeMatrixVariant("float16", 128, 1, catalogue.FP8_CACHE),
     # the target's own fp8 conversion (gfx94x: e4m3fnuz, gfx12: OCP e4m3; not on gfx90a/gfx11)
