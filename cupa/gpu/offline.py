@@ -573,11 +573,6 @@ def code_object_kernels(tools: HipToolchain, code_object: str) -> list[KernelCod
     return parse_kernel_notes(result.stdout)
 
 
-def kernel_wavefront_sizes(tools: HipToolchain, code_object: str) -> list[int]:
-    """The wavefront size of each kernel, from the code object's AMDGPU metadata note."""
-    return [k.wavefront_size for k in code_object_kernels(tools, code_object)]
-
-
 def check_wavefront_size(sizes: list[int], target: Target, name: str) -> None:
     """Every kernel must run at the wavefront size the source was compiled for (CUPA_WARP):
     clang ignores a wave32 request on gfx9, for one, and the kernels' shuffles and row

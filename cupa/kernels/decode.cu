@@ -230,11 +230,10 @@ CUPA_FN void decode_partition(
         if (pv_active && pv_lane == 0) {
             // L::SUM_STEP lanes a step: left to it, clang loads every lane's sums before it
             // adds the first.
-            constexpr int step = L::SUM_STEP;
 #pragma unroll 1
-            for (int lane0 = 0; lane0 < L::LANES - 1; lane0 += step)
+            for (int lane0 = 0; lane0 < L::LANES - 1; lane0 += L::SUM_STEP)
 #pragma unroll
-                for (int lane = lane0; lane < lane0 + step; ++lane) {
+                for (int lane = lane0; lane < lane0 + L::SUM_STEP; ++lane) {
                     if (lane >= L::LANES - 1) break;
 #pragma unroll
                     for (int i = 0; i < L::HPT; ++i)

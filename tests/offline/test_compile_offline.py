@@ -158,7 +158,7 @@ def test_hip_command_matches_hiprtc_and_the_code_object_its_wavefront(tmp_path, 
         f.write(catalogue.module_source(variant))
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    sizes = offline.kernel_wavefront_sizes(tools, out)
+    sizes = [k.wavefront_size for k in offline.code_object_kernels(tools, out)]
     assert sizes == [warp] * len(variant.entry_names)
 
 

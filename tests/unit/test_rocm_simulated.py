@@ -103,7 +103,7 @@ def test_rdna_in_wave64_compiles_to_wave64_kernels(tmp_path):
     result = subprocess.run(offline.hip_command(tools, info.target, str(src), str(out)),
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert offline.kernel_wavefront_sizes(tools, str(out)) == [64]
+    assert [k.wavefront_size for k in offline.code_object_kernels(tools, str(out))] == [64]
 
 
 def shapes():
